@@ -1,0 +1,14 @@
+"""The full K3 model: 93 layers, d 7168, 896 experts top-16, 2.78T parameters.
+
+  python -m k3jax.params --config=experiments/k3_full.py
+  python -m k3jax.train --config=experiments/k3_full.py --workdir=gs://...
+
+Every value is the default of `k3jax.config.base_config()` (K3_SPEC section 1).
+"""
+
+from k3jax import config as k3config
+
+
+def get_config(arg: str | None = None):
+  del arg
+  return k3config.base_config()

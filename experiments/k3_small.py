@@ -1,0 +1,31 @@
+"""K3 sized for one H200: 13 layers, d 2048, 64 experts top-8; 2.93B total, 1.0B active.
+
+  python -m k3jax.train --config=experiments/k3_small.py --workdir=/tmp/k3_small
+
+3 hybrid cycles [KDA, KDA, KDA, MLA] + the final MLA; KDA/MLA 16 heads of 128 (the
+shapes of the KDA kernel benchmarks); LatentMoE over a 1024-wide latent; AttnRes blocks
+of 4 layers. The vocabulary is K3's, so a real tokenizer can replace the byte default.
+"""
+
+from k3jax import config as k3config
+
+
+def get_config(arg: str | None = None):
+  del arg
+  c = k3config.base_config()
+  m = c.model
+  m.d_model = 2_048
+  m.num_layers = 13
+  m.kda.num_heads, m.kda.head_dim, m.kda.gate_rank = 16, 128, 128
+  m.mla.num_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank = 16, 512, 256
+  m.ffn.hidden_dim = 5_632
+  m.moe.num_experts, m.moe.top_k, m.moe.expert_dim, m.moe.latent_dim = 64, 8, 768, 1_024
+  m.moe.shared_dim = 768
+  m.attn_res.block_layers = 4
+
+  t = c.train
+  t.seq_len, t.global_batch = 4_096, 8
+  t.steps = 10_000
+  t.log_every, t.eval_every, t.checkpoint_every = 10, 500, 500
+  c.optimizer.warmup_steps = 500
+  return c

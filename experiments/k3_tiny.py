@@ -1,0 +1,34 @@
+"""K3 at toy size: the full structure, small enough to train on 2 CPU cores.
+
+  python -m k3jax.train --config=experiments/k3_tiny.py --workdir=/tmp/k3_tiny
+
+9 layers = 2 hybrid cycles [KDA, KDA, KDA, MLA] + the final MLA; d 128; 16 experts top-4
+over a 64-wide latent; AttnRes blocks of 4 layers. Trains on the embedded corpus.
+"""
+
+from k3jax import config as k3config
+
+
+def get_config(arg: str | None = None):
+  del arg
+  c = k3config.base_config()
+  m = c.model
+  m.vocab_size = 384  # bytes + specials, padded to a multiple of 128
+  m.d_model = 128
+  m.num_layers = 9
+  m.kda.num_heads, m.kda.head_dim, m.kda.gate_rank = 4, 32, 16
+  m.mla.num_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank = 4, 64, 32
+  m.mla.qk_nope_dim, m.mla.qk_rope_dim, m.mla.v_head_dim = 32, 16, 32
+  m.ffn.hidden_dim = 384
+  m.moe.num_experts, m.moe.top_k, m.moe.expert_dim, m.moe.latent_dim = 16, 4, 128, 64
+  m.moe.shared_dim = 128
+  m.attn_res.block_layers = 4
+  m.dtype = "float32"  # CPU: bf16 matmuls are emulated and slower
+  m.remat = "none"
+
+  t = c.train
+  t.seq_len, t.global_batch = 256, 16
+  t.steps = 600
+  t.log_every, t.eval_every, t.checkpoint_every = 20, 200, 100
+  c.optimizer.learning_rate, c.optimizer.warmup_steps = 3e-3, 50
+  return c

@@ -1,0 +1,157 @@
+"""The experiment config: every field with its K3 default, and validation.
+
+`base_config()` returns the complete schema with the values of the full K3 model
+(K3_SPEC section 1); experiment files in `experiments/` start from it and change
+fields. `validate(config)` names the first impossible setting it finds. Unknown keys
+are rejected by ml_collections itself (the ConfigDict is locked).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+DTYPES = ("float32", "bfloat16")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  m = c.model = ml_collections.ConfigDict()
+  m.vocab_size = 163_840
+  m.d_model = 7_168
+  m.num_layers = 93
+  m.mla_every = 4        # 1-based layers 4, 8, ... are MLA; the rest KDA
+  m.final_mla = True     # the last layer is MLA too, so the last mixer is global
+  m.dense_layers = 1     # the first N layers use the dense FFN, the rest LatentMoE
+  m.norm_eps = 1e-6
+  m.embed_init_std = 1.0
+  m.dtype = "bfloat16"   # compute dtype; parameters are stored in param_dtype
+  m.param_dtype = "float32"
+  m.remat = "full"       # one of REMAT_POLICIES, applied per scanned cycle
+  m.scan_layers = True
+
+  k = m.kda = ml_collections.ConfigDict()
+  k.num_heads = 96
+  k.head_dim = 128       # d_k = d_v
+  k.conv_size = 4
+  k.gate_rank = 128      # low-rank decay projection d -> rank -> heads*head_dim
+  k.gate = "bounded"     # "bounded": lb*sigmoid(exp(A_log)(f+dt_bias)); "softplus": Kimi Linear
+  k.gate_lower_bound = -5.0
+  k.chunk_size = 64
+  k.backend = "chunk"    # pallas_kernels.kda dispatcher backend
+
+  a = m.mla = ml_collections.ConfigDict()
+  a.num_heads = 96
+  a.q_lora_rank = 1_536
+  a.kv_lora_rank = 512
+  a.qk_nope_dim = 128
+  a.qk_rope_dim = 64     # NoPE: the "rope" slot is never rotated; one key shared by all heads
+  a.v_head_dim = 128
+
+  f = m.ffn = ml_collections.ConfigDict()
+  f.hidden_dim = 33_792  # dense FFN of the first `dense_layers` layers
+  f.activation = "situ_glu"  # or "swiglu" (ablation)
+  f.situ_b1 = 4.0
+  f.situ_b2 = 25.0
+
+  e = m.moe = ml_collections.ConfigDict()
+  e.num_experts = 896
+  e.top_k = 16
+  e.expert_dim = 3_072
+  e.latent_dim = 3_584   # routed experts run in this latent; = d_model for a full-width MoE
+  e.num_shared = 2
+  e.shared_dim = 3_072
+  e.routed_scaling = 1.0
+  e.balancing = "quantile"   # "quantile" (K3) or "none"
+  e.balance_bins = 1_000
+
+  r = m.attn_res = ml_collections.ConfigDict()
+  r.enabled = True       # False: the plain residual stream
+  r.block_layers = 12
+
+  t = c.train = ml_collections.ConfigDict()
+  t.seq_len = 4_096
+  t.global_batch = 1_024
+  t.steps = 100_000
+  t.log_every = 10
+  t.eval_every = 1_000
+  t.eval_batches = 4
+  t.checkpoint_every = 1_000
+  t.keep_checkpoints = 3
+  t.grad_clip_norm = 1.0
+  t.peak_tflops = 0.0    # per-device peak for the MFU estimate; 0 = detect from the device
+
+  o = c.optimizer = ml_collections.ConfigDict()
+  o.name = "adamw"
+  o.learning_rate = 3e-4
+  o.warmup_steps = 2_000
+  o.min_lr_ratio = 0.1   # cosine decays to learning_rate * min_lr_ratio
+  o.b1 = 0.9
+  o.b2 = 0.95
+  o.eps = 1e-8
+  o.weight_decay = 0.1
+
+  from k3jax.data import data_config  # noqa: PLC0415  (the data package owns its defaults)
+  c.data = data_config()
+
+  c.lock()
+  return c
+
+
+class ConfigError(ValueError):
+  """An impossible or unknown configuration setting."""
+
+
+def _check(ok: bool, field: str, msg: str):
+  if not ok:
+    raise ConfigError(f"config.{field}: {msg}")
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Raise ConfigError naming the first impossible setting; return `c` otherwise."""
+  m = c.model
+  _check(m.d_model > 0, "model.d_model", f"must be positive, got {m.d_model}")
+  _check(m.num_layers >= 1, "model.num_layers", f"must be >= 1, got {m.num_layers}")
+  _check(m.mla_every >= 1, "model.mla_every", f"must be >= 1, got {m.mla_every}")
+  _check(0 <= m.dense_layers <= m.num_layers, "model.dense_layers",
+         f"must be in [0, num_layers={m.num_layers}], got {m.dense_layers}")
+  _check(m.dense_layers <= m.mla_every, "model.dense_layers",
+         f"dense layers must lie in the first hybrid cycle (<= mla_every={m.mla_every})")
+  _check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {m.dtype!r}")
+  _check(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
+  _check(m.remat in REMAT_POLICIES, "model.remat",
+         f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
+  k = m.kda
+  _check(k.num_heads * k.head_dim > 0, "model.kda", "num_heads and head_dim must be positive")
+  _check(k.gate in ("bounded", "softplus"), "model.kda.gate",
+         f"must be 'bounded' or 'softplus', got {k.gate!r}")
+  _check(k.gate_lower_bound < 0, "model.kda.gate_lower_bound", "must be negative")
+  _check(k.conv_size >= 1, "model.kda.conv_size", "must be >= 1")
+  a = m.mla
+  _check(a.q_lora_rank <= m.d_model, "model.mla.q_lora_rank",
+         f"{a.q_lora_rank} is wider than d_model={m.d_model}")
+  _check(a.kv_lora_rank <= m.d_model, "model.mla.kv_lora_rank",
+         f"{a.kv_lora_rank} is wider than d_model={m.d_model}")
+  _check(m.ffn.activation in ("situ_glu", "swiglu"), "model.ffn.activation",
+         f"must be 'situ_glu' or 'swiglu', got {m.ffn.activation!r}")
+  e = m.moe
+  _check(1 <= e.top_k <= e.num_experts, "model.moe.top_k",
+         f"must be in [1, num_experts={e.num_experts}], got {e.top_k}")
+  _check(e.latent_dim <= m.d_model, "model.moe.latent_dim",
+         f"latent {e.latent_dim} is wider than the hidden d_model={m.d_model}")
+  _check(e.balancing in ("quantile", "none"), "model.moe.balancing",
+         f"must be 'quantile' or 'none', got {e.balancing!r}")
+  _check(e.balancing != "quantile" or e.top_k < e.num_experts, "model.moe.top_k",
+         "quantile balancing needs top_k < num_experts (it reads the (k+1)-th score)")
+  r = m.attn_res
+  _check(r.block_layers >= 1, "model.attn_res.block_layers", "must be >= 1")
+  t = c.train
+  _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
+  _check(t.global_batch >= 1, "train.global_batch", "must be >= 1")
+  o = c.optimizer
+  _check(o.name in ("adamw",), "optimizer.name", f"unknown optimizer {o.name!r} (known: adamw)")
+  _check(0 <= o.warmup_steps <= t.steps, "optimizer.warmup_steps",
+         f"must be in [0, train.steps={t.steps}]")
+  return c

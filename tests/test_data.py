@@ -1,0 +1,244 @@
+"""Tests of k3jax.data: tokenizer, embedded corpus, grain pipeline."""
+
+import collections
+import json
+import math
+
+import numpy as np
+import pytest
+from pydoc_data import topics
+
+from k3jax import data
+
+SEQ = 128
+BATCH = 4
+PACKINGS = data.PACKINGS
+TOK = data.ByteTokenizer()
+
+
+def _cfg(packing="first_fit"):
+  cfg = data.data_config()
+  cfg.packing = packing
+  return cfg
+
+
+def _take(ds, n):
+  it = iter(ds)
+  return [next(it) for _ in range(n)]
+
+
+def _segments(batch):
+  """Yield (inputs, targets, positions) of every segment of every row."""
+  for r in range(batch["segment_ids"].shape[0]):
+    seg = batch["segment_ids"][r]
+    for s in np.unique(seg[seg > 0]):
+      m = seg == s
+      yield batch["inputs"][r][m], batch["targets"][r][m], batch["positions"][r][m]
+
+
+def _key(inputs, targets):
+  return tuple(inputs.tolist()) + (int(targets[-1]),)
+
+
+def _as_text(tokens):
+  return "".join(map(chr, tokens))
+
+
+# --- tokenizer -------------------------------------------------------------------------------
+
+
+def test_tokenizer_roundtrip():
+  assert (TOK.bos, TOK.eos, TOK.vocab_size) == (256, 257, 258)
+  for text in ["", "hello", "héllo ∑ 🙂\n\ttabs", topics.topics["assert"]]:
+    ids = TOK.encode(text)
+    assert ids.dtype == np.int32 and ids.shape == (len(text.encode("utf-8")),)
+    assert TOK.decode(ids) == text
+  ids = np.concatenate([[TOK.bos], TOK.encode("ab"), [TOK.eos]])
+  assert TOK.decode(ids) == "ab"
+  assert TOK.decode(TOK.encode("é")[:1]) == "\ufffd"
+
+
+# --- corpus ----------------------------------------------------------------------------------
+
+
+def test_splits_disjoint_and_complete():
+  train = data.default_documents("train")
+  heldout = data.default_documents("validation")
+  assert heldout and len(train) > 10 * len(heldout)
+  assert not set(train) & set(heldout)
+  assert sorted(train + heldout) == sorted(topics.topics.values())
+  assert train == data.default_documents("train")
+  with pytest.raises(ValueError, match="split"):
+    data.default_documents("test")
+
+
+def test_unigram_entropy():
+  assert math.isclose(data.unigram_entropy(["ab"], TOK), math.log(3))  # a, b, eos
+  h = data.unigram_entropy(data.default_documents("train"), TOK)
+  assert 3.0 < h < 3.5
+
+
+# --- pipeline --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_shapes_and_dtypes(packing):
+  for b in _take(data.make_dataset(_cfg(packing), seq_len=SEQ, global_batch=BATCH, seed=0), 3):
+    assert set(b) == set(data.FEATURES)
+    for k in ("inputs", "targets", "segment_ids", "positions"):
+      assert b[k].shape == (BATCH, SEQ) and b[k].dtype == np.int32, k
+    assert b["weights"].shape == (BATCH, SEQ) and b["weights"].dtype == np.float32
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_row_invariants(packing):
+  for b in _take(data.make_dataset(_cfg(packing), seq_len=SEQ, global_batch=BATCH, seed=1), 8):
+    seg, pos = b["segment_ids"], b["positions"]
+    np.testing.assert_array_equal(b["weights"], (seg > 0).astype(np.float32))
+    for r in range(BATCH):
+      s, p = seg[r], pos[r]
+      n = int((s > 0).sum())
+      assert s[0] == 1 and np.all(s[n:] == 0)              # padding only at the row end
+      assert set(np.diff(s[:n]).tolist()) <= {0, 1}         # segments 1, 2, ... in order
+      assert np.all(b["inputs"][r][n:] == 0) and np.all(b["targets"][r][n:] == 0)
+      assert np.all(p[n:] == 0)
+      starts = np.concatenate([[True], s[1:n] != s[:n - 1]])
+      assert np.all(p[:n][starts] == 0)
+      assert np.all(p[1:n][~starts[1:]] == p[:n - 1][~starts[1:]] + 1)
+      same = (s[1:] == s[:-1]) & (s[1:] > 0)
+      np.testing.assert_array_equal(b["inputs"][r][1:][same], b["targets"][r][:-1][same])
+      assert np.all(b["targets"][r][:n] != TOK.bos)
+
+
+def test_first_fit_rows_hold_whole_pieces():
+  seq = 1024
+  pieces = {_key(p["inputs"], p["targets"])
+            for p in data.document_pieces(data.default_documents("train"), TOK, seq)}
+  ds = data.make_dataset(_cfg("first_fit"), seq_len=seq, global_batch=BATCH, seed=2)
+  shared_rows = 0
+  for b in _take(ds, 8):
+    for inputs, targets, _ in _segments(b):
+      assert _key(inputs, targets) in pieces
+    shared_rows += int((b["segment_ids"].max(axis=1) > 1).sum())
+  assert shared_rows > 0  # some rows hold several pieces
+
+
+def test_concat_then_split_rows_hold_contiguous_text():
+  docs = data.default_documents("train")
+  corpus = "\x00".join(_as_text([TOK.bos, *TOK.encode(d), TOK.eos]) for d in docs)
+  ds = data.make_dataset(_cfg("concat_then_split"), seq_len=SEQ, global_batch=BATCH, seed=2)
+  for b in _take(ds, 8):
+    assert b["weights"].min() == 1.0  # no padding in an endless stream
+    for inputs, targets, _ in _segments(b):
+      assert _as_text(_key(inputs, targets)) in corpus
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_whole_documents_decode_to_source(packing):
+  docs = set(data.default_documents("train"))
+  ds = data.make_dataset(_cfg(packing), seq_len=4096, global_batch=BATCH, seed=3)
+  found = 0
+  for b in _take(ds, 4):
+    for inputs, targets, _ in _segments(b):
+      if inputs[0] == TOK.bos and targets[-1] == TOK.eos:
+        assert TOK.decode(np.concatenate([inputs, targets[-1:]])) in docs
+        found += 1
+  assert found >= 2
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_seed_determinism(packing):
+  make = lambda seed: _take(data.make_dataset(_cfg(packing), seq_len=SEQ, global_batch=BATCH,
+                                              seed=seed), 3)
+  a, b, c = make(7), make(7), make(8)
+  for x, y in zip(a, b):
+    for k in data.FEATURES:
+      np.testing.assert_array_equal(x[k], y[k])
+  assert any(not np.array_equal(x["inputs"], z["inputs"]) for x, z in zip(a, c))
+
+
+def test_epochs_are_reshuffled():
+  ds = data.piece_dataset(_cfg(), seq_len=SEQ, seed=0, split="validation")
+  n = len(data.document_pieces(data.default_documents("validation"), TOK, SEQ))
+  first = [_key(ds[i]["inputs"], ds[i]["targets"]) for i in range(n)]
+  second = [_key(ds[i]["inputs"], ds[i]["targets"]) for i in range(n, 2 * n)]
+  assert first != second and sorted(first) == sorted(second)
+
+
+def test_processes_read_disjoint_pieces_covering_an_epoch():
+  seq = 512
+  pieces = data.document_pieces(data.default_documents("train"), TOK, seq)
+  every = collections.Counter(_key(p["inputs"], p["targets"]) for p in pieces)
+  # The piece stream: global index i of the first epoch goes to process i % 2.
+  got = []
+  for p in range(2):
+    ds = data.piece_dataset(_cfg(), seq_len=seq, seed=5, process_index=p, process_count=2)
+    got.append(collections.Counter(
+        _key(ds[k]["inputs"], ds[k]["targets"]) for k in range((len(pieces) - p + 1) // 2)))
+  assert got[0] + got[1] == every
+  # The packed batches of a one-epoch run hold the same pieces, each once.
+  got = []
+  for p in range(2):
+    ds = data.make_dataset(_cfg(), seq_len=seq, global_batch=8, seed=5, process_index=p,
+                           process_count=2, num_epochs=1)
+    c = collections.Counter()
+    for b in ds:
+      assert b["inputs"].shape == (4, seq)
+      c.update(_key(i, t) for i, t, _ in _segments(b))
+    got.append(c)
+  assert got[0] + got[1] == every
+  assert abs(sum(got[0].values()) - sum(got[1].values())) <= 1
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_iterator_state_restores_exactly(packing):
+  make = lambda: data.make_dataset(_cfg(packing), seq_len=SEQ, global_batch=BATCH, seed=4,
+                                   process_index=1, process_count=2)
+  for skip in (0, 3, 5):
+    it = iter(make())
+    for _ in range(skip):
+      next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [next(it) for _ in range(4)]
+    restored = iter(make())
+    next(restored)  # a used iterator must be fully overwritten by set_state
+    restored.set_state(state)
+    for x, y in zip(expected, [next(restored) for _ in range(4)]):
+      for k in data.FEATURES:
+        np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_validation_split_is_finite_and_padded():
+  ds = data.make_dataset(_cfg(), seq_len=SEQ, global_batch=BATCH, seed=0,
+                         split="validation", num_epochs=1)
+  batches = list(ds)
+  tokens = sum(b["weights"].sum() for b in batches)
+  docs = data.default_documents("validation")
+  assert tokens == sum(len(d.encode("utf-8")) + 1 for d in docs)
+  assert all(b["inputs"].shape == (BATCH, SEQ) for b in batches)
+
+
+def test_data_config_defaults():
+  cfg = data.data_config()
+  assert cfg.source in data.SOURCES and cfg.packing in data.PACKINGS
+  data.check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "field, value, kwargs, match",
+    [
+        ("source", "c4", {}, "config.data.source"),
+        ("packing", "best_fit", {}, "config.data.packing"),
+        (None, None, {"global_batch": 6, "process_count": 4}, "global_batch"),
+        (None, None, {"seq_len": 1}, "seq_len"),
+        (None, None, {"process_index": 2, "process_count": 2}, "process_index"),
+        (None, None, {"split": "test"}, "split"),
+    ],
+)
+def test_bad_config_raises(field, value, kwargs, match):
+  cfg = _cfg()
+  if field:
+    cfg[field] = value
+  args = dict(seq_len=SEQ, global_batch=BATCH, seed=0) | kwargs
+  with pytest.raises(ValueError, match=match):
+    data.make_dataset(cfg, **args)
