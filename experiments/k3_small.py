@@ -21,6 +21,7 @@ def get_config(arg: str | None = None):
   m.ffn.hidden_dim = 5_632
   m.moe.num_experts, m.moe.top_k, m.moe.expert_dim, m.moe.latent_dim = 64, 8, 768, 1_024
   m.moe.shared_dim = 768
+  m.moe.dispatch = "capacity"  # ragged_dot is ~60x below the matmul rate on H200
   m.attn_res.block_layers = 4
 
   t = c.train

@@ -22,13 +22,14 @@ def get_config(arg: str | None = None):
   m.ffn.hidden_dim = 384
   m.moe.num_experts, m.moe.top_k, m.moe.expert_dim, m.moe.latent_dim = 16, 4, 128, 64
   m.moe.shared_dim = 128
+  m.moe.dispatch = "capacity"  # ragged_dot runs every expert densely on CPU
   m.attn_res.block_layers = 4
   m.dtype = "float32"  # CPU: bf16 matmuls are emulated and slower
   m.remat = "none"
 
   t = c.train
-  t.seq_len, t.global_batch = 256, 16
-  t.steps = 600
-  t.log_every, t.eval_every, t.checkpoint_every = 20, 200, 100
-  c.optimizer.learning_rate, c.optimizer.warmup_steps = 3e-3, 50
+  t.seq_len, t.global_batch = 128, 8
+  t.steps = 300
+  t.log_every, t.eval_every, t.checkpoint_every = 10, 100, 100
+  c.optimizer.learning_rate, c.optimizer.warmup_steps = 3e-3, 30
   return c

@@ -64,8 +64,14 @@ def base_config() -> ml_collections.ConfigDict:
   e.num_shared = 2
   e.shared_dim = 3_072
   e.routed_scaling = 1.0
+  e.dispatch = "dropless"    # "dropless" (ragged_dot) or "capacity" (fixed buffers)
+  e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
   e.balancing = "quantile"   # "quantile" (K3) or "none"
   e.balance_bins = 1_000
+  # Cutoff r is measured against: "k_plus_1" (spec: the (k+1)-th value for every expert)
+  # or "leave_one_out" (the k-th value for unselected experts; removes the atom at b_j
+  # that lets loads stall below target, see quantile_balancing.solve_bias).
+  e.balance_cutoff = "k_plus_1"
 
   r = m.attn_res = ml_collections.ConfigDict()
   r.enabled = True       # False: the plain residual stream
@@ -129,6 +135,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"must be 'bounded' or 'softplus', got {k.gate!r}")
   _check(k.gate_lower_bound < 0, "model.kda.gate_lower_bound", "must be negative")
   _check(k.conv_size >= 1, "model.kda.conv_size", "must be >= 1")
+  _check(k.gate == "bounded" or k.backend == "naive", "model.kda.backend",
+         "the chunked form needs the bounded gate (g >= gate_lower_bound); use the 'naive' "
+         "backend with gate='softplus'")
+  _check(k.gate_lower_bound >= -5.0 or k.backend == "naive", "model.kda.gate_lower_bound",
+         f"{k.gate_lower_bound} is below -5: 16-token tiles of the chunked form would overflow")
   a = m.mla
   _check(a.q_lora_rank <= m.d_model, "model.mla.q_lora_rank",
          f"{a.q_lora_rank} is wider than d_model={m.d_model}")
@@ -145,6 +156,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"must be 'quantile' or 'none', got {e.balancing!r}")
   _check(e.balancing != "quantile" or e.top_k < e.num_experts, "model.moe.top_k",
          "quantile balancing needs top_k < num_experts (it reads the (k+1)-th score)")
+  _check(e.dispatch in ("dropless", "capacity"), "model.moe.dispatch",
+         f"must be 'dropless' or 'capacity', got {e.dispatch!r}")
+  _check(e.capacity_factor > 0, "model.moe.capacity_factor", "must be positive")
+  _check(e.balance_cutoff in ("k_plus_1", "leave_one_out"), "model.moe.balance_cutoff",
+         f"must be 'k_plus_1' or 'leave_one_out', got {e.balance_cutoff!r}")
   r = m.attn_res
   _check(r.block_layers >= 1, "model.attn_res.block_layers", "must be >= 1")
   t = c.train
@@ -153,5 +169,5 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   o = c.optimizer
   _check(o.name in ("adamw",), "optimizer.name", f"unknown optimizer {o.name!r} (known: adamw)")
   _check(0 <= o.warmup_steps <= t.steps, "optimizer.warmup_steps",
-         f"must be in [0, train.steps={t.steps}]")
+         f"must be in [0, train.steps={t.steps}], got {o.warmup_steps}")
   return c

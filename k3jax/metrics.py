@@ -1,0 +1,160 @@
+"""Training metrics: a JSONL log and TensorBoard event files, plus timing helpers.
+
+`MetricWriter` writes every `write_scalars(step, scalars)` call twice:
+  <workdir>/metrics.jsonl   one JSON object per call, {"step": s, "wall_time": t, **scalars},
+                            opened in append mode so a resumed run continues the file (a
+                            resumed run may repeat steps written after its last checkpoint;
+                            readers keep the last line per step). Non-finite values are
+                            written as NaN / Infinity, which Python's json and pandas read.
+  <workdir>/tensorboard/    TensorBoard event files (one new file per process start).
+
+TensorBoard events are written with tensorboardX: it is small, pure Python on top of
+protobuf, and writes the standard event format without TensorFlow, PyTorch or the
+`tensorboard` package (which is only needed to *view* the files). clu/`tf.summary` would
+pull in TensorFlow.
+
+Only one process should write (`enabled=jax.process_index() == 0`); a disabled writer
+creates no files and ignores every call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+JSONL_NAME = "metrics.jsonl"
+TB_DIR = "tensorboard"
+
+
+def _scalar(value: Any) -> int | float:
+  """A Python number from a Python/numpy/jax scalar (a 0-d or size-1 array)."""
+  arr = np.asarray(value)
+  if arr.size != 1:
+    raise ValueError(f"metric value must be a scalar, got shape {arr.shape}")
+  item = arr.reshape(()).item()
+  if isinstance(item, bool):
+    return int(item)
+  if isinstance(item, (int, float)):
+    return item
+  raise TypeError(f"metric value must be numeric, got {type(item).__name__}")
+
+
+class MetricWriter:
+  """Scalars to `<workdir>/metrics.jsonl` and TensorBoard event files under `<workdir>`."""
+
+  def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True,
+               tensorboard: bool = True):
+    self.enabled = enabled
+    self.workdir = os.fspath(workdir)
+    self.jsonl_path = os.path.join(self.workdir, JSONL_NAME)
+    self.tb_dir = os.path.join(self.workdir, TB_DIR)
+    self._jsonl = None
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(self.workdir, exist_ok=True)
+    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # noqa: PLC0415  (only the writing process)
+      self._tb = SummaryWriter(logdir=self.tb_dir, flush_secs=30)
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """One record of `scalars` (name -> number, numpy or jax scalar) at `step`."""
+    if not self.enabled:
+      return
+    step = int(step)
+    values = {str(k): _scalar(v) for k, v in scalars.items()}
+    if "step" in values or "wall_time" in values:
+      raise ValueError("metric names 'step' and 'wall_time' are reserved")
+    now = time.time()
+    record = {"step": step, "wall_time": round(now, 3), **values}
+    self._jsonl.write(json.dumps(record) + "\n")
+    if self._tb is not None:
+      for name, v in values.items():
+        self._tb.add_scalar(name, float(v), global_step=step, walltime=now)
+
+  def flush(self) -> None:
+    if not self.enabled:
+      return
+    self._jsonl.flush()
+    if self._tb is not None:
+      self._tb.flush()
+
+  def close(self) -> None:
+    if not self.enabled or self._jsonl is None:
+      return
+    self._jsonl.close()
+    self._jsonl = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    self.enabled = False
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+  """Every record of a metrics.jsonl file, in order."""
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def format_duration(seconds: float) -> str:
+  """Compact duration for ETAs: '45s', '3m05s', '2h07m', '3d04h'; '?' if unknown."""
+  if seconds is None or not math.isfinite(seconds):
+    return "?"
+  sign = "-" if seconds < 0 else ""
+  s = int(round(abs(seconds)))
+  if s < 60:
+    return f"{sign}{s}s"
+  if s < 3600:
+    return f"{sign}{s // 60}m{s % 60:02d}s"
+  if s < 86400:
+    return f"{sign}{s // 3600}h{s % 3600 // 60:02d}m"
+  return f"{sign}{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+class StepTimer:
+  """Throughput and ETA between log points.
+
+    timer = StepTimer(tokens_per_step=B * T, total_steps=cfg.train.steps, start_step=step)
+    ...  # after the first (compiling) step: timer.reset(step)
+    rates = timer.update(step)   # {"steps_per_sec", "tokens_per_sec", "step_time",
+                                 #  "eta_seconds"} over the steps since the last call
+
+  Call it after the device work of `step` is done (e.g. after fetching the loss), or the
+  rates measure dispatch, not compute.
+  """
+
+  def __init__(self, *, tokens_per_step: int, total_steps: int, start_step: int = 0,
+               clock=time.perf_counter):
+    self.tokens_per_step = tokens_per_step
+    self.total_steps = total_steps
+    self._clock = clock
+    self.reset(start_step)
+
+  def reset(self, step: int) -> None:
+    """Start a new interval at `step` (e.g. to leave compilation out)."""
+    self._step, self._time = step, self._clock()
+
+  def update(self, step: int) -> dict[str, float]:
+    now = self._clock()
+    steps, dt = step - self._step, now - self._time
+    self._step, self._time = step, now
+    if steps <= 0 or dt <= 0:
+      return {}
+    sps = steps / dt
+    return {"steps_per_sec": sps,
+            "tokens_per_sec": sps * self.tokens_per_step,
+            "step_time": dt / steps,
+            "eta_seconds": max(self.total_steps - step, 0) / sps}

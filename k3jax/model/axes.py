@@ -1,0 +1,68 @@
+"""Logical axis names and the activation sharding constraint.
+
+Every parameter and activation of the model is annotated with logical axis names
+(below). Only the mesh rules, installed by an entry point with `use_rules`, map them
+to mesh axes; the model never names a device axis.
+
+  batch      sequences in a batch            seq        positions in a sequence
+  embed      model width d                   vocab      vocabulary
+  heads      attention heads                 head_dim   per-head q/k/v width
+  q_lora     MLA query low rank              kv_lora    MLA key/value low rank
+  mlp        FFN intermediate width          experts    routed experts
+  latent     LatentMoE latent width          gate_rank  KDA low-rank decay width
+  conv       short-conv taps                 layers     stacked (scanned) layers
+  sources    AttnRes sources
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AxisNames = tuple[str | None, ...]
+
+
+class _Rules(threading.local):
+  mesh: Mesh | None = None
+  rules: dict[str, str | tuple[str, ...] | None] = {}
+
+
+_ctx = _Rules()
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: Sequence[tuple[str, str | tuple[str, ...] | None]]):
+  """Within the block, `constrain` maps logical names to `mesh` axes by `rules`."""
+  old = (_ctx.mesh, _ctx.rules)
+  _ctx.mesh, _ctx.rules = mesh, dict(rules)
+  try:
+    yield
+  finally:
+    _ctx.mesh, _ctx.rules = old
+
+
+def logical_to_spec(names: AxisNames, rules=None) -> PartitionSpec:
+  """PartitionSpec for logical `names`; each mesh axis is used at most once."""
+  rules = _ctx.rules if rules is None else dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name in names:
+    target = rules.get(name) if name is not None else None
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    axes = tuple(a for a in axes if a not in used)
+    used.update(axes)
+    spec.append(axes[0] if len(axes) == 1 else (axes or None))
+  return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: AxisNames) -> jax.Array:
+  """Sharding constraint on an activation by logical names; a no-op without rules."""
+  if _ctx.mesh is None:
+    return x
+  if len(names) != x.ndim:
+    raise ValueError(f"constrain: {len(names)} names {names} for an array of shape {x.shape}")
+  return jax.lax.with_sharding_constraint(x, NamedSharding(_ctx.mesh, logical_to_spec(names)))

@@ -1,0 +1,218 @@
+"""The K3 language model: the hybrid KDA/MLA stack with Block AttnRes and LatentMoE.
+
+Layer i (1-based) mixes tokens with MLA if i % mla_every == 0 or it is the last layer
+and `final_mla`; KDA otherwise. The first `dense_layers` layers use the dense SiTU-GLU
+FFN, the rest Stable LatentMoE. Each layer is
+
+    h -> AttnRes -> norm -> mixer -> AttnRes -> norm -> FFN/MoE
+
+(with `attn_res.enabled = False`, AttnRes is the plain residual stream). The layers
+are grouped as: a `prefix` holding the first hybrid cycle when it contains dense
+layers, `cycles` (identical [KDA]*(mla_every-1) + [MLA] cycles, parameters stacked on a
+leading `layers` axis and run under `jax.lax.scan`, so compile time does not grow with
+depth), and a `suffix` of the remaining layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.model import attn_res, layers
+from k3jax.model.axes import constrain
+from k3jax.model.kda import KDA
+from k3jax.model.latent_moe import LatentMoE, update_bias
+from k3jax.model.mla import MLA
+from k3jax.model.situ_glu import GLUMLP
+
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """Which mixer and FFN each layer uses, and how layers group into prefix/cycles/suffix."""
+  mixers: tuple[str, ...]   # "kda" | "mla" per layer
+  ffns: tuple[str, ...]     # "dense" | "moe" per layer
+  prefix: int               # layers before the scanned cycles
+  num_cycles: int           # scanned cycles of `cycle` layers each
+  cycle: int
+
+  @property
+  def suffix(self) -> int:
+    return len(self.mixers) - self.prefix - self.num_cycles * self.cycle
+
+
+def layer_plan(cfg_model) -> LayerPlan:
+  n, every = cfg_model.num_layers, cfg_model.mla_every
+  mixers = tuple("mla" if i % every == 0 or (cfg_model.final_mla and i == n) else "kda"
+                 for i in range(1, n + 1))
+  ffns = tuple("dense" if i <= cfg_model.dense_layers else "moe" for i in range(1, n + 1))
+  prefix = min(n, every) if cfg_model.dense_layers else 0
+  num_cycles = (n - prefix) // every
+  if num_cycles and mixers[prefix + num_cycles * every - 1] != "mla":
+    raise AssertionError("a scanned cycle must end with its MLA layer")
+  return LayerPlan(mixers, ffns, prefix, num_cycles, every)
+
+
+class Layer(nnx.Module):
+  """One decoder layer: token mixer then channel mixer, each read through AttnRes."""
+
+  def __init__(self, cfg_model, mixer: str, ffn: str, *, rngs: nnx.Rngs):
+    d, pdt = cfg_model.d_model, jnp.dtype(cfg_model.param_dtype)
+    self.attn_res = cfg_model.attn_res.enabled
+    self.block_sublayers = 2 * cfg_model.attn_res.block_layers
+    if self.attn_res:
+      self.mixer_query = attn_res.AttnResQuery(d, param_dtype=pdt, rngs=rngs)
+      self.ffn_query = attn_res.AttnResQuery(d, param_dtype=pdt, rngs=rngs)
+    self.mixer_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
+    self.mixer = KDA(cfg_model, rngs=rngs) if mixer == "kda" else MLA(cfg_model, rngs=rngs)
+    self.ffn_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
+    if ffn == "moe":
+      self.ffn = LatentMoE(cfg_model, rngs=rngs)
+    else:
+      f = cfg_model.ffn
+      self.ffn = GLUMLP(d, f.hidden_dim, activation=f.activation, b1=f.situ_b1, b2=f.situ_b2,
+                        rngs=rngs, dtype=jnp.dtype(cfg_model.dtype), param_dtype=pdt)
+    self.is_moe = ffn == "moe"
+
+  def _read(self, stream, query):
+    return attn_res.read(stream, query) if self.attn_res else stream
+
+  def _write(self, stream, out):
+    return attn_res.write(stream, out, self.block_sublayers) if self.attn_res else stream + out
+
+  def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array):
+    """stream: a BlockState (AttnRes) or the residual [B, T, d]. Returns (stream, moe aux)."""
+    h = self._read(stream, self.mixer_query if self.attn_res else None)
+    stream = self._write(stream, self.mixer(self.mixer_norm(h), segment_ids))
+    h = self._read(stream, self.ffn_query if self.attn_res else None)
+    if self.is_moe:
+      out, aux = self.ffn(self.ffn_norm(h), valid)
+    else:
+      out, aux = self.ffn(self.ffn_norm(h)), {}
+    return self._write(stream, out), aux
+
+
+class Cycle(nnx.Module):
+  """[KDA] * (mla_every - 1) + [MLA], every layer with LatentMoE: the scanned unit."""
+
+  def __init__(self, cfg_model, *, rngs: nnx.Rngs):
+    every = cfg_model.mla_every
+    self.layers = nnx.List([Layer(cfg_model, "kda" if j < every - 1 else "mla", "moe", rngs=rngs)
+                            for j in range(every)])
+
+  def __call__(self, stream, segment_ids, valid):
+    auxes = []
+    for layer in self.layers:
+      stream, aux = layer(stream, segment_ids, valid)
+      auxes.append(aux)
+    return stream, auxes
+
+
+class K3Model(nnx.Module):
+  """tokens [B, T] int32, segment_ids [B, T] int32 (0 = padding) -> logits [B, T, vocab]."""
+
+  def __init__(self, cfg_model, *, rngs: nnx.Rngs):
+    self.plan = plan = layer_plan(cfg_model)
+    self.remat, self.scan_layers = cfg_model.remat, cfg_model.scan_layers
+    self.use_attn_res = cfg_model.attn_res.enabled
+    self.num_slots = attn_res.num_slots_for(cfg_model.num_layers, cfg_model.attn_res.block_layers)
+    d, v, pdt = cfg_model.d_model, cfg_model.vocab_size, jnp.dtype(cfg_model.param_dtype)
+    self.dtype = jnp.dtype(cfg_model.dtype)
+    self.embed = layers.param(rngs, layers.normal(cfg_model.embed_init_std), (v, d),
+                              ("vocab", "embed"), pdt)
+    self.prefix = nnx.List([Layer(cfg_model, plan.mixers[i], plan.ffns[i], rngs=rngs)
+                            for i in range(plan.prefix)])
+    self.cycles = nnx.data(None)
+    if plan.num_cycles:
+      @nnx.split_rngs(splits=plan.num_cycles)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def make_cycles(r):
+        return Cycle(cfg_model, rngs=r)
+      self.cycles = nnx.data(make_cycles(rngs))
+    start = plan.prefix + plan.num_cycles * plan.cycle
+    self.suffix = nnx.List([Layer(cfg_model, plan.mixers[i], plan.ffns[i], rngs=rngs)
+                            for i in range(start, cfg_model.num_layers)])
+    if cfg_model.attn_res.enabled:
+      self.out_query = attn_res.AttnResQuery(d, param_dtype=pdt, rngs=rngs)
+    self.final_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
+    self.lm_head = layers.Dense(d, v, ("embed", "vocab"), rngs=rngs, dtype=self.dtype,
+                                param_dtype=pdt)
+
+  def _remat(self, fn):
+    if self.remat == "none":
+      return fn
+    return jax.checkpoint(fn, policy=REMAT[self.remat])
+
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array):
+    """Returns (logits [B, T, vocab] in the compute dtype, aux).
+
+    aux["moe"] mirrors the layer groups: {"prefix": [...], "cycles": [...], "suffix": [...]},
+    each MoE entry holding the Quantile-Balancing `counts` and per-expert `load`
+    (stacked on a leading cycle axis for the scanned cycles).
+    """
+    valid = segment_ids > 0
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+    x = constrain(x, ("batch", "seq", "embed"))
+    if self.use_attn_res:
+      stream = attn_res.init_state(x, self.num_slots)
+    else:
+      stream = x
+
+    def run_layer(layer, stream):
+      return self._remat(lambda s: layer(s, segment_ids, valid))(stream)
+
+    aux = {"prefix": [], "cycles": [], "suffix": []}
+    for layer in self.prefix:
+      stream, a = run_layer(layer, stream)
+      aux["prefix"].append(a)
+    if self.cycles is not None:
+      graphdef, state = nnx.split(self.cycles)
+
+      def body(stream, cycle_state):
+        return nnx.merge(graphdef, cycle_state)(stream, segment_ids, valid)
+
+      unroll = 1 if self.scan_layers else self.plan.num_cycles
+      stream, aux["cycles"] = jax.lax.scan(self._remat(body), stream, state, unroll=unroll)
+    for layer in self.suffix:
+      stream, a = run_layer(layer, stream)
+      aux["suffix"].append(a)
+
+    h = attn_res.read(stream, self.out_query) if self.use_attn_res else stream
+    logits = self.lm_head(self.final_norm(h))
+    return constrain(logits, ("batch", "seq", "vocab")), {"moe": aux}
+
+  def moe_layers(self):
+    """(group, index, LatentMoE) for every MoE layer, index into the aux structure."""
+    for group in ("prefix", "suffix"):
+      for i, layer in enumerate(getattr(self, group)):
+        if layer.is_moe:
+          yield group, i, layer.ffn
+    if self.cycles is not None:
+      for j, layer in enumerate(self.cycles.layers):
+        yield "cycles", j, layer.ffn
+
+  def update_balance(self, aux_moe) -> dict[str, jax.Array]:
+    """After an optimizer step: solve every MoE layer's Quantile-Balancing bias from the
+    step's histograms (a no-op for moe.balancing == "none") and return load statistics:
+    the worst and the average over layers of max/mean expert load."""
+    ratios = []
+    for group, i, moe in self.moe_layers():
+      aux = aux_moe[group][i]
+      update_bias(moe, aux["counts"])
+      load = aux["load"].reshape(-1, moe.num_experts).astype(jnp.float32)
+      ratios.append(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
+    if not ratios:
+      return {}
+    ratios = jnp.concatenate(ratios)
+    dropped = sum(jnp.sum(aux_moe[g][i]["dropped"]) for g, i, _ in self.moe_layers())
+    return {"moe_max_load": jnp.max(ratios), "moe_mean_max_load": jnp.mean(ratios),
+            "moe_dropped": dropped}

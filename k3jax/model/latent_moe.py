@@ -1,0 +1,221 @@
+"""Stable LatentMoE (K3_SPEC 4): routed SiTU-GLU experts in a latent, shared experts at full width.
+
+  s = sigmoid(x W_r)                      [B, T, E]  fp32 router scores
+  T = topk(s + b, k),  p_j = s_j / sum_T s           b: Quantile Balancing bias (selection only)
+  z = x W_down                            [B, T, latent], projected BEFORE dispatch
+  u = sum_{j in T} p_j * routed_scaling * E_j(z)     combined in the latent (fp32)
+  y = sum_shared GLU(x) + RMSNorm(u) W_up [B, T, d]
+
+Two dispatches map z and the routing to u (the piece an expert-parallel all-to-all
+replaces), chosen by `moe.dispatch`:
+  "dropless": the (token, slot) pairs are sorted by expert and the experts run as grouped
+      matmuls (`jax.lax.ragged_dot`): exact, fast where ragged_dot lowers natively (TPU);
+  "capacity": each expert gets a fixed buffer of ceil(capacity_factor * T k / E) rows per
+      sequence and runs as one batched matmul; pairs beyond a buffer are dropped (counted
+      in aux["dropped"]), later positions first, so dispatch stays causal. Dense-rate
+      matmuls on every backend; packed documents can still take buffer space from later
+      documents of the same row, so only "dropless" makes them fully independent.
+
+The bias is a `BalanceBias` variable, not a parameter: the train step sums the returned
+histograms `aux["counts"]` over microbatches (and data-parallel devices) and calls
+`update_bias` once per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.model import quantile_balancing as qb
+from k3jax.model.axes import constrain
+from k3jax.model.layers import Dense, RMSNorm, normal, param
+from k3jax.model.situ_glu import GLUMLP, glu_activation
+
+ExpertsFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: ExpertsFn,
+                 num_experts: int) -> jax.Array:
+  """u = sum_k weights[:, k] * experts(z)[token, idx[:, k]] without dropping tokens.
+
+  z: [N, L]; idx: [N, k] int32; weights: [N, k] fp32. `experts(rows, group_sizes)` maps
+  rows [N*k, L] sorted by expert (group_sizes [E] rows per expert, in expert order) to
+  [N*k, L]. Returns u [N, L] fp32.
+  """
+  n, k = idx.shape
+  flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
+  order = jnp.argsort(flat, stable=True)  # [N*k] pair positions grouped by expert
+  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+  out_sorted = experts(jnp.take(z, order // k, axis=0), group_sizes)  # [N*k, L]
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+  out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, -1)  # [N, k, L]
+  return jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32), out.astype(jnp.float32))
+
+
+def _rank_in_expert(flat: jax.Array, num_experts: int) -> jax.Array:
+  """[M] position of each pair among the pairs of its group (expert), in pair order."""
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=num_experts)
+  starts = jnp.cumsum(sizes) - sizes  # [E] first sorted position of each expert
+  rank_sorted = jnp.arange(flat.shape[0]) - starts[flat[order]]
+  return jnp.zeros_like(flat).at[order].set(rank_sorted.astype(flat.dtype))
+
+
+def capacity_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: jax.Array,
+                 w_u: jax.Array, w_d: jax.Array, act, dtype, num_rows: int, capacity: int):
+  """Fixed-buffer dispatch: u = sum_k weights * E_idx(z) over the pairs that fit.
+
+  z: [N, L] with N = num_rows * T tokens, row-major; idx, weights: [N, k]; w_g, w_u:
+  [E, L, H]; w_d: [E, H, L]. Each expert takes at most `capacity` pairs from each row,
+  earlier positions first, so whether a token is dropped depends only on earlier tokens
+  of its own sequence: dispatch stays causal and rows never affect each other.
+  Returns (u [N, L] fp32, kept [N, k] bool).
+  """
+  n, k = idx.shape
+  num_experts = w_g.shape[0]
+  row = jnp.arange(n * k) // (n // num_rows * k)  # [N*k] sequence of each pair
+  group = row * num_experts + idx.reshape(-1)  # [N*k] (row, expert) buffer of each pair
+  rank = _rank_in_expert(group, num_rows * num_experts)
+  kept = rank < capacity
+  slot = jnp.where(kept, group * capacity + rank, num_rows * num_experts * capacity)
+  pairs_in = jnp.repeat(z.astype(dtype), k, axis=0)  # [N*k, L], pair order
+  buf = jnp.zeros((num_rows * num_experts * capacity, z.shape[-1]), dtype)
+  buf = buf.at[slot].set(pairs_in, mode="drop")  # overflow slot: dropped
+  buf = buf.reshape(num_rows, num_experts, capacity, -1).swapaxes(0, 1)  # [E, rows, C, L]
+  g = jnp.einsum("erck,ekh->erch", buf, w_g.astype(dtype))
+  v = jnp.einsum("erck,ekh->erch", buf, w_u.astype(dtype))
+  out = jnp.einsum("erch,ehk->erck", act(g, v).astype(dtype), w_d.astype(dtype))
+  out = out.swapaxes(0, 1).reshape(num_rows * num_experts * capacity, -1)
+  pairs = out.at[slot].get(mode="fill", fill_value=0)  # [N*k, L]; dropped pairs give 0
+  u = jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32),
+                 pairs.reshape(n, k, -1).astype(jnp.float32))
+  return u, kept.reshape(n, k)
+
+
+def ragged_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act, dtype) -> ExpertsFn:
+  """Grouped GLU experts: rows [M, L] sorted by expert -> [M, L] in `dtype`.
+
+  w_g, w_u: [E, L, H]; w_d: [E, H, L]; act: the fp32 GLU activation (g, v) -> h.
+  """
+  def run(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    rows = rows.astype(dtype)
+    g = jax.lax.ragged_dot(rows, w_g.astype(dtype), group_sizes)  # [M, H]
+    v = jax.lax.ragged_dot(rows, w_u.astype(dtype), group_sizes)  # [M, H]
+    h = act(g, v).astype(dtype)
+    return jax.lax.ragged_dot(h, w_d.astype(dtype), group_sizes)  # [M, L]
+  return run
+
+
+class LatentMoE(nnx.Module):
+  """x [B, T, d], valid [B, T] bool or None -> (y [B, T, d], aux).
+
+  aux = {"counts": int32 [E, balance_bins], the Quantile-Balancing histogram of this call
+                   (valid tokens only; zeros when moe.balancing == "none"),
+         "load":   int32 [E], valid (token, slot) pairs routed to each expert,
+         "dropped": int32 [], valid pairs that found their expert's buffer full
+                    (always 0 for the dropless dispatch)}.
+  Both are sums over tokens: add them across microbatches and devices.
+  """
+
+  def __init__(self, cfg_model, *, rngs: nnx.Rngs):
+    e, f = cfg_model.moe, cfg_model.ffn
+    d, n_exp, lat, hid = cfg_model.d_model, e.num_experts, e.latent_dim, e.expert_dim
+    self.dtype = dtype = jnp.dtype(cfg_model.dtype)
+    pdt = jnp.dtype(cfg_model.param_dtype)
+    self.num_experts, self.top_k = n_exp, e.top_k
+    self.routed_scaling = float(e.routed_scaling)
+    if e.balancing not in ("quantile", "none"):
+      raise ValueError(f"moe.balancing must be 'quantile' or 'none', got {e.balancing!r}")
+    self.balancing, self.balance_bins = e.balancing, e.balance_bins
+    self.balance_cutoff = e.balance_cutoff
+    self.dispatch, self.capacity_factor = e.dispatch, float(e.capacity_factor)
+    self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
+
+    # The router is stored and applied in fp32 whatever the model dtypes.
+    self.router = Dense(d, n_exp, ("embed", "experts"), rngs=rngs, dtype=jnp.float32,
+                        param_dtype=jnp.float32)
+    self.bias = qb.BalanceBias(jnp.zeros((n_exp,), jnp.float32), out_sharding=("experts",),
+                               eager_sharding=False)
+    self.w_down = Dense(d, lat, ("embed", "latent"), rngs=rngs, dtype=dtype, param_dtype=pdt)
+    self.w_g = param(rngs, normal(lat ** -0.5), (n_exp, lat, hid), ("experts", "latent", "mlp"),
+                     pdt)
+    self.w_u = param(rngs, normal(lat ** -0.5), (n_exp, lat, hid), ("experts", "latent", "mlp"),
+                     pdt)
+    self.w_d = param(rngs, normal(hid ** -0.5), (n_exp, hid, lat), ("experts", "mlp", "latent"),
+                     pdt)
+    self.latent_norm = RMSNorm(lat, "latent", eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
+    self.w_up = Dense(lat, d, ("latent", "embed"), rngs=rngs, dtype=dtype, param_dtype=pdt)
+    self.shared = nnx.List([
+        GLUMLP(d, e.shared_dim, activation=f.activation, b1=f.situ_b1, b2=f.situ_b2,
+               axes_in="embed", rngs=rngs, dtype=dtype, param_dtype=pdt)
+        for _ in range(e.num_shared)])
+
+  def __call__(self, x: jax.Array, valid: jax.Array | None = None):
+    b, t, _ = x.shape
+    n, k, n_exp = b * t, self.top_k, self.num_experts
+    x = constrain(x, ("batch", "seq", "embed"))
+    valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
+
+    scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32))).reshape(n, n_exp)  # [N, E]
+    x = x.astype(self.dtype)
+    quantile = self.balancing == "quantile"
+    bias = self.bias[...] if quantile else jnp.zeros((n_exp,), jnp.float32)
+    idx, weights, alpha = qb.route(scores, bias, k)  # [N, k], [N, k], [N]
+
+    z = constrain(self.w_down(x), ("batch", "seq", "latent"))  # [B, T, L]
+    act = glu_activation(self.activation, self.b1, self.b2)
+    flat_valid = valid.reshape(n)
+    w = weights * self.routed_scaling
+    if self.dispatch == "capacity":
+      capacity = max(1, math.ceil(self.capacity_factor * t * k / n_exp))  # per row
+      u, kept = capacity_moe(z.reshape(n, -1), idx, w, self.w_g[...], self.w_u[...],
+                             self.w_d[...], act, self.dtype, b, capacity)
+      dropped = jnp.sum(~kept & flat_valid[:, None], dtype=jnp.int32)
+    else:
+      experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype)
+      u = dropless_moe(z.reshape(n, -1), idx, w, experts, n_exp)
+      dropped = jnp.zeros((), jnp.int32)
+    u = constrain(u.reshape(b, t, -1), ("batch", "seq", "latent"))  # fp32
+    y = self.w_up(self.latent_norm(u).astype(self.dtype))
+    for mlp in self.shared:
+      y = y + mlp(x)
+    y = constrain(y, ("batch", "seq", "embed"))
+
+    if quantile:
+      counts = qb.histogram(scores, alpha, bias, self.balance_bins, flat_valid,
+                            cutoff=self.balance_cutoff)
+    else:
+      counts = jnp.zeros((n_exp, self.balance_bins), jnp.int32)
+    load = qb.load_stats(idx, n_exp, flat_valid)["load"]
+    return y, {"counts": counts, "load": load, "dropped": dropped}
+
+
+def update_bias(target: LatentMoE | qb.BalanceBias, counts: jax.Array, k: int | None = None):
+  """Replace the balancing bias by `solve_bias` of a step's summed histogram, in place.
+
+  target: a LatentMoE (k is read from it; a no-op when its balancing is "none") or a
+  BalanceBias (pass k). counts: int32 [E, bins] for a bias [E], or [layers, E, bins] for
+  a stacked bias [layers, E] (scanned layers), solved per layer with vmap. Call it once
+  per optimizer step, after summing `aux["counts"]` over microbatches and devices; under
+  jit, pass the module through nnx.jit / nnx.split-merge so the update is kept.
+  """
+  if isinstance(target, LatentMoE):
+    if target.balancing != "quantile":
+      return
+    var, k = target.bias, target.top_k
+  else:
+    var = target
+    if k is None:
+      raise ValueError("update_bias: pass k (top_k) with a bare BalanceBias")
+  bias = var[...]
+  if counts.ndim == bias.ndim + 1 == 2:
+    new = qb.solve_bias(counts, bias, k)
+  elif counts.ndim == bias.ndim + 1 == 3:
+    new = jax.vmap(qb.solve_bias, in_axes=(0, 0, None))(counts, bias, k)
+  else:
+    raise ValueError(f"update_bias: counts {counts.shape} do not match bias {bias.shape}")
+  var[...] = new

@@ -1,0 +1,91 @@
+"""Building blocks every K3 layer uses: parameters with logical axes, Dense, RMSNorm.
+
+Parameters are stored in `param_dtype` (fp32 by default) and cast to the compute
+`dtype` (bf16 by default) where they are used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.model.axes import AxisNames
+
+Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
+
+
+def param(rngs: nnx.Rngs | None, init: Initializer, shape: Sequence[int], axes: AxisNames,
+          dtype=jnp.float32) -> nnx.Param:
+  """An `nnx.Param` of `shape` whose logical axis names are `axes`."""
+  if len(axes) != len(shape):
+    raise ValueError(f"param: axes {axes} do not match shape {tuple(shape)}")
+  key = rngs.params() if rngs is not None else jax.random.key(0)
+  return nnx.Param(init(key, tuple(shape), dtype), out_sharding=tuple(axes),
+                   eager_sharding=False)
+
+
+def normal(std: float) -> Initializer:
+  return nnx.initializers.truncated_normal(stddev=std)
+
+
+def ones(key, shape, dtype):
+  del key
+  return jnp.ones(shape, dtype)
+
+
+def zeros(key, shape, dtype):
+  del key
+  return jnp.zeros(shape, dtype)
+
+
+class Dense(nnx.Module):
+  """y = x W, contracting the trailing `in_shape` dims of x into `out_shape`.
+
+  x: [..., *in_shape] -> y: [..., *out_shape]; W: [*in_shape, *out_shape] with logical
+  names `axes` (one per dim of W). Initialised N(0, 1/fan_in) (truncated) unless
+  `init_std` says otherwise.
+  """
+
+  def __init__(self, in_shape: int | Sequence[int], out_shape: int | Sequence[int],
+               axes: AxisNames, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
+               param_dtype=jnp.float32, init_std: float | None = None):
+    self.in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
+    self.out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
+    fan_in = math.prod(self.in_shape)
+    std = fan_in ** -0.5 if init_std is None else init_std
+    self.kernel = param(rngs, normal(std), self.in_shape + self.out_shape, axes, param_dtype)
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in = len(self.in_shape)
+    if x.shape[x.ndim - n_in:] != self.in_shape:
+      raise ValueError(f"Dense expects trailing dims {self.in_shape}, got {x.shape}")
+    lead = x.shape[:x.ndim - n_in]
+    w = self.kernel[...].astype(self.dtype).reshape(math.prod(self.in_shape), -1)
+    y = x.astype(self.dtype).reshape(*lead, -1) @ w
+    return y.reshape(*lead, *self.out_shape)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+  """x / rms(x) * weight over the last axis, computed in fp32, returned in x's dtype."""
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if weight is not None:
+    y = y * weight.astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm over the last axis with a learned gain (initialised to 1). x: [..., dim]."""
+
+  def __init__(self, dim: int, axis_name: str | None = "embed", *, eps: float = 1e-6,
+               param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    self.weight = param(rngs, ones, (dim,), (axis_name,), param_dtype)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return rms_norm(x, self.weight[...], self.eps)

@@ -1,0 +1,111 @@
+"""Gated Multi-head Latent Attention (K3_SPEC 2.2), without positional encoding.
+
+  c_q  = RMSNorm(x W_qa)                       [B, T, q_lora]
+  q    = c_q W_qb                              [B, T, H, nope + rope]   per head
+  c_kv, k_r = split(x W_kva)                   [B, T, kv_lora], [B, T, rope]
+  k_nope, v = split(RMSNorm(c_kv) W_kvb)       [B, T, H, nope], [B, T, H, v]
+  k    = [k_nope, k_r]                         k_r is ONE key shared by all heads
+  o    = softmax(q k^T / sqrt(nope + rope), causal + document mask) v
+  y    = (o * sigmoid(x W_g)) W_o
+
+The "rope" slot is NoPE: nothing is ever rotated. Weight layouts, for per-head Muon and
+QK-Clip (spec 5): `wq_b.kernel` is [q_lora, H, nope + rope] with the per-head rope-slot
+query in `[..., nope:]`; `wkv_b.kernel` is [kv_lora, H, nope + v] with k_nope in
+`[..., :nope]`; the shared key slot is `wkv_a.kernel[:, kv_lora:]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.model.axes import constrain
+from k3jax.model.layers import Dense, RMSNorm
+
+BTE = ("batch", "seq", "embed")
+BTHD = ("batch", "seq", "heads", "head_dim")
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+  """Causal + document mask [B, T, T] (query t, key s) from segment ids [B, T].
+
+  A token sees keys at s <= t of its own segment. Segment 0 is padding: a padding
+  token sees only itself, so every row has at least one key and no softmax is empty.
+  """
+  t = segment_ids.shape[-1]
+  pos = jnp.arange(t)
+  causal = pos[None, :] <= pos[:, None]                                  # [T, T]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]              # [B, T, T]
+  real = (segment_ids != 0)[:, :, None]                                  # [B, T, 1]
+  diag = pos[None, :] == pos[:, None]
+  return causal[None] & same & (real | diag[None])
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+              scale: float) -> jax.Array:
+  """Plain masked softmax attention with a causal + document mask.
+
+  q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk] (1 = one key shared by all heads);
+  v: [B, T, H, Dv]; segment_ids: [B, T] int (0 = padding). Scores and softmax in fp32;
+  returns [B, T, H, Dv] in v's dtype.
+  """
+  scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(q.dtype),
+                      preferred_element_type=jnp.float32) * scale       # [B, H, T, T]
+  mask = attention_mask(segment_ids)[:, None]                            # [B, 1, T, T]
+  scores = jnp.where(mask, scores, -jnp.inf)
+  scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+  p = jnp.exp(scores)
+  p = p / jnp.sum(p, axis=-1, keepdims=True)
+  out = jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.astype(v.dtype)
+
+
+class MLA(nnx.Module):
+  """Gated MLA layer. x [B, T, d], segment_ids [B, T] int32 -> y [B, T, d] (compute dtype)."""
+
+  def __init__(self, cfg_model, *, rngs: nnx.Rngs):
+    a = cfg_model.mla
+    d, h = cfg_model.d_model, a.num_heads
+    dtype, pdtype = jnp.dtype(cfg_model.dtype), jnp.dtype(cfg_model.param_dtype)
+    eps = cfg_model.norm_eps
+    self.num_heads, self.nope, self.rope, self.v_dim = h, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim
+    self.kv_lora = a.kv_lora_rank
+    self.scale = (a.qk_nope_dim + a.qk_rope_dim) ** -0.5
+    self.dtype = dtype
+    dense = dict(rngs=rngs, dtype=dtype, param_dtype=pdtype)
+    self.wq_a = Dense(d, a.q_lora_rank, ("embed", "q_lora"), **dense)
+    self.q_norm = RMSNorm(a.q_lora_rank, "q_lora", eps=eps, param_dtype=pdtype, rngs=rngs)
+    self.wq_b = Dense(a.q_lora_rank, (h, self.nope + self.rope), ("q_lora", "heads", "head_dim"),
+                      **dense)
+    self.wkv_a = Dense(d, self.kv_lora + self.rope, ("embed", "kv_lora"), **dense)
+    self.kv_norm = RMSNorm(self.kv_lora, "kv_lora", eps=eps, param_dtype=pdtype, rngs=rngs)
+    self.wkv_b = Dense(self.kv_lora, (h, self.nope + self.v_dim), ("kv_lora", "heads", "head_dim"),
+                       **dense)
+    self.w_g = Dense(d, (h, self.v_dim), ("embed", "heads", "head_dim"), **dense)
+    self.w_o = Dense((h, self.v_dim), d, ("heads", "head_dim", "embed"), **dense)
+
+  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, H, nope+rope], k [B, T, H, nope+rope] (shared rope slot), v [B, T, H, v]."""
+    x = constrain(x.astype(self.dtype), BTE)
+    c_q = constrain(self.q_norm(self.wq_a(x)), ("batch", "seq", "q_lora"))
+    q = constrain(self.wq_b(c_q), BTHD)
+    kv_a = self.wkv_a(x)                                                 # [B, T, kv_lora + rope]
+    c_kv = constrain(self.kv_norm(kv_a[..., :self.kv_lora]), ("batch", "seq", "kv_lora"))
+    k_r = constrain(kv_a[..., self.kv_lora:], ("batch", "seq", "head_dim"))  # [B, T, rope]
+    kv = constrain(self.wkv_b(c_kv), BTHD)                               # [B, T, H, nope + v]
+    k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+    k_r = jnp.broadcast_to(k_r[:, :, None, :], (*k_r.shape[:2], self.num_heads, self.rope))
+    k = constrain(jnp.concatenate([k_nope, k_r], axis=-1), BTHD)
+    return q, k, v
+
+  def heads(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Gated per-head outputs before W_o: [B, T, H, v]."""
+    q, k, v = self.project(x)
+    o = constrain(attention(q, k, v, segment_ids, self.scale), BTHD)
+    gate = jax.nn.sigmoid(self.w_g(x).astype(jnp.float32))
+    return constrain((o.astype(jnp.float32) * gate).astype(self.dtype), BTHD)
+
+  def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    return constrain(self.w_o(self.heads(x, segment_ids)), BTE)

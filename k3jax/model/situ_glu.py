@@ -1,0 +1,66 @@
+"""SiTU-GLU (K3_SPEC 4.1), SwiGLU for the ablation, and the gated MLP built on them.
+
+  h = [b1 tanh(g/b1) * sigmoid(g)] * [b2 tanh(v/b2)],   g = x W_g,  v = x W_u,  y = h W_d
+
+The gate is a SiLU whose linear factor is soft-capped at b1 (the sigmoid sees the uncapped
+g); the value is soft-capped at b2, so |h| < b1 * b2 = 100 for the defaults. Near 0 both
+tanh factors are the identity to first order, so SiTU-GLU equals SwiGLU there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.model.layers import Dense
+
+ACTIVATIONS = ("situ_glu", "swiglu")
+
+
+def situ_glu(g: jax.Array, v: jax.Array, b1: float = 4.0, b2: float = 25.0) -> jax.Array:
+  """[b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(v/b2)] in fp32. g, v: [...] -> fp32 [...]."""
+  g = g.astype(jnp.float32)
+  v = v.astype(jnp.float32)
+  return (b1 * jnp.tanh(g / b1) * jax.nn.sigmoid(g)) * (b2 * jnp.tanh(v / b2))
+
+
+def swiglu(g: jax.Array, v: jax.Array) -> jax.Array:
+  """silu(g) * v in fp32. g, v: [...] -> fp32 [...]."""
+  g = g.astype(jnp.float32)
+  return jax.nn.silu(g) * v.astype(jnp.float32)
+
+
+def glu_activation(name: str, b1: float = 4.0, b2: float = 25.0):
+  """The fp32 activation (g, v) -> h named by `config.model.ffn.activation`."""
+  if name == "situ_glu":
+    return lambda g, v: situ_glu(g, v, b1, b2)
+  if name == "swiglu":
+    return swiglu
+  raise ValueError(f"unknown GLU activation {name!r}; known: {ACTIVATIONS}")
+
+
+class GLUMLP(nnx.Module):
+  """y = act(x W_g, x W_u) W_d without biases. x: [..., d_in] -> y: [..., d_in].
+
+  W_g, W_u: [d_in, hidden] named (axes_in, 'mlp'); W_d: [hidden, d_in] named
+  ('mlp', axes_in). `axes_in` is 'embed' on the hidden stream, 'latent' inside LatentMoE.
+  The activation runs in fp32; the matmuls in `dtype`.
+  """
+
+  def __init__(self, d_in: int, hidden: int, *, activation: str = "situ_glu",
+               b1: float = 4.0, b2: float = 25.0, axes_in: str = "embed",
+               rngs: nnx.Rngs, dtype=jnp.bfloat16, param_dtype=jnp.float32):
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.w_g = Dense(d_in, hidden, (axes_in, "mlp"), **kw)
+    self.w_u = Dense(d_in, hidden, (axes_in, "mlp"), **kw)
+    self.w_d = Dense(hidden, d_in, ("mlp", axes_in), **kw)
+    if activation not in ACTIVATIONS:
+      raise ValueError(f"unknown GLU activation {activation!r}; known: {ACTIVATIONS}")
+    self.activation, self.b1, self.b2 = activation, b1, b2
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    act = glu_activation(self.activation, self.b1, self.b2)
+    h = act(self.w_g(x), self.w_u(x)).astype(self.dtype)  # [..., hidden]
+    return self.w_d(h)

@@ -1,0 +1,87 @@
+"""Count the parameters of a config without allocating them.
+
+  python -m k3jax.params --config=experiments/k3_full.py
+
+Prints a per-component table, then as its last line JSON {"total": N, "active": N}.
+Active = every parameter a token uses: all non-routed parameters plus top_k/num_experts
+of the routed expert weights, excluding the input embedding table (the LM head counts).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+
+from absl import app
+from flax import nnx
+from ml_collections import config_flags
+
+from k3jax import config as k3config
+from k3jax.model import K3Model
+from k3jax.model.attn_res import AttnResQuery
+from k3jax.model.kda import KDA
+from k3jax.model.latent_moe import LatentMoE
+from k3jax.model.mla import MLA
+from k3jax.model.situ_glu import GLUMLP
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=True)
+
+# Innermost module type -> component name (order: most specific first).
+_COMPONENTS = ((LatentMoE, "moe"), (GLUMLP, "dense_ffn"), (KDA, "kda"), (MLA, "mla"),
+               (AttnResQuery, "attn_res"))
+
+
+def abstract_model(cfg) -> K3Model:
+  """The model with every array a ShapeDtypeStruct: nothing is allocated."""
+  return nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
+
+
+def _axes(param) -> tuple:
+  names = tuple(param.get_metadata().get("out_sharding") or ())
+  return names[1:] if names[:1] == ("layers",) else names
+
+
+def count(cfg) -> tuple[dict[str, int], int, int]:
+  """(per-component counts, total, active) for `cfg` (a full experiment config)."""
+  model = abstract_model(cfg)
+  owners: dict[tuple, str] = {}
+  for path, node in nnx.iter_graph(model):
+    for cls, name in _COMPONENTS:
+      if isinstance(node, cls):
+        owners.setdefault(tuple(path), name)
+        break
+  rows: collections.Counter = collections.Counter()
+  active = 0.0
+  moe = cfg.model.moe
+  for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    n = math.prod(param.get_value().shape)
+    owner = next((owners[path[:i]] for i in range(len(path), 0, -1) if path[:i] in owners),
+                 None)
+    if owner is None:
+      owner = {"embed": "embedding", "lm_head": "lm_head"}.get(path[0], "norms")
+    if owner == "moe":
+      routed = _axes(param)[:1] == ("experts",)  # stacked expert weights [E, ...]
+      owner = "moe_routed_experts" if routed else "moe_router_latent_shared"
+    if owner == "moe_routed_experts":
+      active += n * moe.top_k / moe.num_experts
+    elif owner != "embedding":
+      active += n
+    rows[owner] += n
+  return dict(rows), sum(rows.values()), int(round(active))
+
+
+def main(argv):
+  del argv
+  cfg = k3config.validate(_CONFIG.value)
+  rows, total, active = count(cfg)
+  print(f"{'component':<22}{'parameters':>20}{'share':>9}")
+  for name, n in sorted(rows.items(), key=lambda kv: -kv[1]):
+    print(f"{name:<22}{n:>20,}{n / total:>9.2%}")
+  print(f"{'total':<22}{total:>20,}\n{'active':<22}{active:>20,}")
+  print(json.dumps({"total": total, "active": active}))
+
+
+if __name__ == "__main__":
+  app.run(main)

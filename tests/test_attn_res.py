@@ -1,0 +1,238 @@
+"""Block Attention Residuals: the direct read, the block bookkeeping (eager, unrolled and
+scanned with traced indices) and the two-phase online-softmax form, against numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.test_util import check_grads
+
+from k3jax.model.attn_res import (AttnResQuery, BlockState, attend, init_state, merge,
+                                  num_slots_for, partial_stats, phase1, read, valid_sources,
+                                  write)
+
+D, B, T, EPS = 16, 2, 3, 1e-6
+
+
+def randn(seed, *shape, scale=1.0) -> np.ndarray:
+  """numpy inputs: jax.random compiles slowly on CPU for every new shape."""
+  return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def ref_attend(sources, w, g, eps=EPS) -> np.ndarray:
+  """Spec 3 literally, float64: h = sum_i softmax_i(w . (RMSNorm(v_i) g)) v_i.
+  sources: a list of [B, T, d] arrays (only the valid ones)."""
+  v = np.stack([np.asarray(s, np.float64) for s in sources])          # [S, B, T, d]
+  keys = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * np.asarray(g, np.float64)
+  logits = np.sum(keys * np.asarray(w, np.float64), axis=-1)          # [S, B, T]
+  alpha = np.exp(logits - logits.max(axis=0))
+  alpha /= alpha.sum(axis=0)
+  return np.sum(alpha[..., None] * v, axis=0)
+
+
+def query_module(w, g) -> AttnResQuery:
+  q = AttnResQuery(D)
+  q.query[...] = jnp.asarray(w)
+  q.key_gain[...] = jnp.asarray(g)
+  return q
+
+
+def test_attend_matches_formula():
+  sources = randn(0, 5, B, T, D, scale=2.0)
+  valid = np.array([True, False, True, True, False])
+  w, g = randn(1, D), 1 + randn(2, D, scale=0.3)
+  h = jax.jit(attend, static_argnums=4)(jnp.asarray(sources), jnp.asarray(valid),
+                                        jnp.asarray(w), jnp.asarray(g), EPS)
+  assert h.shape == (B, T, D) and h.dtype == jnp.float32
+  np.testing.assert_allclose(h, ref_attend(sources[valid], w, g), rtol=1e-5, atol=1e-6)
+  h_all = attend(jnp.asarray(sources), None, jnp.asarray(w), jnp.asarray(g), EPS)
+  np.testing.assert_allclose(h_all, ref_attend(sources, w, g), rtol=1e-5, atol=1e-6)
+
+
+def test_zero_query_is_uniform_average_and_keeps_dtype():
+  sources = randn(3, 4, B, T, D, scale=3.0)
+  valid = jnp.asarray([True, True, False, True])
+  q = AttnResQuery(D)  # initial state: query 0, gain 1
+  assert not np.any(q.query[...]) and np.all(q.key_gain[...] == 1)
+  assert q.query.out_sharding == ("embed",)
+  h = q(jnp.asarray(sources), valid)
+  np.testing.assert_allclose(h, sources[[0, 1, 3]].mean(axis=0), rtol=1e-6, atol=1e-6)
+  h16 = q(jnp.asarray(sources, jnp.bfloat16), valid)
+  assert h16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(h16, np.float32), np.asarray(h), rtol=2e-2, atol=5e-2)
+
+
+def test_num_slots_for():
+  assert num_slots_for(93, 12) == 9     # embedding + 7 completed blocks + the partial 8th
+  assert num_slots_for(5, 2) == 4
+  assert num_slots_for(24, 12) == 4     # the last block completes: an empty partial slot
+
+
+# ---------------------------------------------------------------------------------------
+# A stack of sublayers: out_l = tanh(h_l W_l), blocks of `block_layers` layers.
+
+
+def stack_params(num_sub, seed=10):
+  qs = randn(seed, num_sub, D, scale=0.7)
+  gs = 1 + randn(seed + 1, num_sub, D, scale=0.3)
+  ws = randn(seed + 2, num_sub, D, D, scale=D ** -0.5)
+  q_out, g_out = randn(seed + 3, D, scale=0.7), 1 + randn(seed + 4, D, scale=0.3)
+  return qs, gs, ws, q_out, g_out
+
+
+def reference_stack(emb, qs, gs, ws, q_out, g_out, block_sub):
+  """Explicit Python list of block sums; each sublayer's input by the direct formula."""
+  blocks, partial, inputs = [np.asarray(emb, np.float64)], None, []
+  for l in range(len(qs)):
+    h = ref_attend(blocks + ([] if partial is None else [partial]), qs[l], gs[l])
+    inputs.append(h)
+    out = np.tanh(h @ ws[l])
+    partial = out if partial is None else partial + out
+    if (l + 1) % block_sub == 0:
+      blocks.append(partial)
+      partial = None
+  final = ref_attend(blocks + ([] if partial is None else [partial]), q_out, g_out)
+  return np.stack(inputs), final, blocks, partial
+
+
+@pytest.mark.parametrize("num_layers", [5, 4])
+def test_block_state_sequence_unrolled(num_layers):
+  block_layers, block_sub = 2, 4
+  num_sub = 2 * num_layers
+  emb = randn(20, B, T, D)
+  qs, gs, ws, q_out, g_out = stack_params(num_sub)
+  queries = [query_module(qs[l], gs[l]) for l in range(num_sub)]
+  out_query = query_module(q_out, g_out)
+  num_slots = num_slots_for(num_layers, block_layers)
+
+  @jax.jit
+  def run(emb):
+    state = init_state(emb, num_slots)
+    hs = []
+    for l in range(num_sub):
+      h = read(state, queries[l])
+      hs.append(h)
+      state = write(state, jnp.tanh(h @ ws[l]), block_sub)
+    return jnp.stack(hs), read(state, out_query), state
+
+  hs, final, state = run(jnp.asarray(emb))
+  ref_hs, ref_final, blocks, partial = reference_stack(emb, qs, gs, ws, q_out, g_out, block_sub)
+  np.testing.assert_allclose(hs, ref_hs, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(final, ref_final, rtol=1e-5, atol=1e-5)
+  assert int(state.num_done) == len(blocks) - 1
+  assert int(state.in_block) == (num_sub % block_sub)
+  np.testing.assert_allclose(state.sources[:len(blocks)], np.stack(blocks), rtol=1e-5, atol=1e-5)
+  if partial is not None:
+    np.testing.assert_allclose(state.sources[len(blocks)], partial, rtol=1e-5, atol=1e-5)
+  assert list(np.asarray(valid_sources(state))) == (
+      [True] * len(blocks) + [partial is not None] + [False] * (num_slots - len(blocks) - 1))
+
+
+def scanned_stack(emb, qs, gs, ws, q_out, g_out, num_slots, block_sub):
+  """The same stack under jax.lax.scan: num_done / in_block are traced in the body."""
+  graphdef, q_state = nnx.split(AttnResQuery(D))
+  stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (len(qs), *p.shape)), q_state)
+  stacked["query"][...] = qs
+  stacked["key_gain"][...] = gs
+
+  def body(state: BlockState, xs):
+    q_st, w = xs
+    h = read(state, nnx.merge(graphdef, q_st))
+    return write(state, jnp.tanh(h @ w), block_sub), h
+
+  state, hs = jax.lax.scan(body, init_state(emb, num_slots), (stacked, ws))
+  final = attend(state.sources, valid_sources(state), q_out, g_out, EPS)
+  return hs, final, state
+
+
+def test_block_state_sequence_scanned():
+  num_layers, block_layers, block_sub = 5, 2, 4
+  num_sub = 2 * num_layers
+  emb = randn(21, B, T, D)
+  params = stack_params(num_sub, seed=30)
+  run = jax.jit(scanned_stack, static_argnums=(6, 7))
+  hs, final, state = run(jnp.asarray(emb), *map(jnp.asarray, params),
+                         num_slots_for(num_layers, block_layers), block_sub)
+  ref_hs, ref_final, blocks, partial = reference_stack(emb, *params, block_sub)
+  np.testing.assert_allclose(hs, ref_hs, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(final, ref_final, rtol=1e-5, atol=1e-5)
+  assert (int(state.num_done), int(state.in_block)) == (2, 2)
+  np.testing.assert_allclose(state.sources[3], partial, rtol=1e-5, atol=1e-5)
+
+  # gradients reach every sublayer's query and gain, and the output query and gain
+  def loss(emb, qs, gs, ws, q_out, g_out):
+    hs, final, _ = scanned_stack(emb, qs, gs, ws, q_out, g_out, 4, block_sub)
+    return jnp.sum(final ** 2) + jnp.sum(jnp.sin(hs))
+
+  grads = jax.jit(jax.grad(loss, argnums=(1, 2, 4, 5)))(jnp.asarray(emb), *map(jnp.asarray, params))
+  for g in grads:
+    g = np.asarray(g).reshape(-1, D)
+    assert np.isfinite(g).all()
+  # sublayer 0 reads only the embedding: its weights are 1 whatever w and g are
+  assert np.abs(grads[0][0]).max() == 0 and np.abs(grads[1][0]).max() == 0
+  assert (np.abs(np.asarray(grads[0][1:])).max(axis=-1) > 0).all()
+  assert (np.abs(np.asarray(grads[1][1:])).max(axis=-1) > 0).all()
+  assert np.abs(grads[2]).max() > 0 and np.abs(grads[3]).max() > 0
+
+
+def test_gradients_match_finite_differences():
+  sources = jnp.asarray(randn(40, 3, B, T, D))
+  w, g = jnp.asarray(randn(41, D, scale=0.5)), jnp.asarray(1 + randn(42, D, scale=0.3))
+
+  def f(w, g):
+    return jnp.sum(jnp.sin(attend(sources, None, w, g, EPS)))
+
+  check_grads(f, (w, g), order=1, modes=["rev"], atol=2e-2, rtol=2e-2)
+  gw, gg = jax.grad(f, argnums=(0, 1))(jnp.zeros(D), jnp.ones(D))  # at init
+  assert np.abs(gw).max() > 0 and np.abs(gg).max() == 0  # gain has no effect while w = 0
+
+
+# ---------------------------------------------------------------------------------------
+# Two-phase inference form.
+
+
+def phase_inputs(case: str):
+  completed = randn(50, 4, B, T, D)      # slots: embedding, 2 blocks, one unused slot
+  valid = np.array([True, True, True, False])
+  partial = randn(51, B, T, D)
+  qs, gs = randn(52, 5, D, scale=0.7), 1 + randn(53, 5, D, scale=0.3)
+  if case != "mixed":
+    u = np.sign(partial[0, 0])           # partial[0, 0] has the largest key along u
+    sign = 1.0 if case == "partial_dominates" else -1.0
+    qs = qs + sign * 8.0 * u / np.sqrt(D) / gs
+  return completed, valid, partial, qs, gs
+
+
+@pytest.mark.parametrize("case", ["mixed", "partial_dominates", "partial_negligible"])
+def test_two_phase_matches_direct(case):
+  completed, valid, partial, qs, gs = phase_inputs(case)
+  o1, m1, l1 = jax.jit(phase1, static_argnums=4)(completed, valid, qs, gs, EPS)
+  assert o1.shape == (5, B, T, D) and m1.shape == l1.shape == (5, B, T)
+
+  @jax.jit
+  def merged(o1, m1, l1, partial, q, g):
+    return merge(o1, m1, l1, *partial_stats(partial, q, g, EPS))
+
+  @jax.jit
+  def direct(q, g):
+    return attend(jnp.concatenate([completed, partial[None]]), jnp.append(valid, True), q, g, EPS)
+
+  weights = []
+  for j in range(5):
+    h2 = merged(o1[j], m1[j], l1[j], partial, qs[j], gs[j])
+    h = direct(qs[j], gs[j])
+    np.testing.assert_allclose(h2, h, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(h2, ref_attend([*completed[valid], partial], qs[j], gs[j]),
+                               rtol=1e-5, atol=1e-5)
+    # the first sublayer of a block has no partial term: h = o1 / l1
+    np.testing.assert_allclose(o1[j] / l1[j][..., None],
+                               ref_attend(completed[valid], qs[j], gs[j]), rtol=1e-5, atol=1e-5)
+    _, m2, _ = partial_stats(partial, qs[j], gs[j], EPS)
+    weights.append(np.exp(m2 - np.maximum(m1[j], m2)) / (
+        np.exp(m1[j] - np.maximum(m1[j], m2)) * l1[j] + np.exp(m2 - np.maximum(m1[j], m2))))
+  w_partial = np.asarray(weights)[:, 0, 0]   # the partial's softmax weight at [0, 0]
+  if case == "partial_dominates":
+    assert (w_partial > 1 - 1e-6).all()
+  elif case == "partial_negligible":
+    assert (w_partial < 1e-6).all()

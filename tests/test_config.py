@@ -1,0 +1,79 @@
+"""Configs: the experiment files load and validate; impossible settings name their field."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from ml_collections import config_flags  # noqa: F401  (the loader the entry points use)
+
+from k3jax import config as k3config
+from k3jax import params as k3params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(name):
+  import importlib.util  # noqa: PLC0415
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments",
+                                                                   f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.mark.parametrize("name", ["k3_full", "k3_small", "k3_tiny"])
+def test_experiments_validate(name):
+  k3config.validate(load(name))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("model.moe.latent_dim", 8192, "latent 8192 is wider than the hidden"),
+    ("model.moe.top_k", 900, "top_k"),
+    ("model.mla.q_lora_rank", 9000, "wider than d_model"),
+    ("model.kda.gate", "softplus", "model.kda.backend"),
+    ("model.remat", "some", "model.remat"),
+    ("model.moe.dispatch", "ragged", "model.moe.dispatch"),
+    ("optimizer.name", "sgd", "unknown optimizer"),
+])
+def test_impossible_settings_name_the_field(field, value, match):
+  c = load("k3_full")
+  *parents, leaf = field.split(".")
+  node = c
+  for p in parents:
+    node = getattr(node, p)
+  setattr(node, leaf, value)
+  with pytest.raises(k3config.ConfigError, match=match):
+    k3config.validate(c)
+
+
+def test_unknown_key_is_an_error():
+  c = load("k3_tiny")
+  with pytest.raises(AttributeError, match="d_modle"):
+    c.model.d_modle = 3
+
+
+def run_params(*flags):
+  return subprocess.run([sys.executable, "-m", "k3jax.params", *flags], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_cli_override_typo_names_the_key():
+  r = run_params("--config=experiments/k3_tiny.py", "--config.model.d_modle=3")
+  assert r.returncode != 0 and "d_modle" in r.stderr
+
+
+def test_full_parameter_count():
+  """2.7795T total and 104.19B active (K3_SPEC section 1) within 0.2%, from eval_shape."""
+  rows, total, active = k3params.count(load("k3_full"))
+  assert abs(total / 2.7795e12 - 1) < 2e-3, total
+  assert abs(active / 1.0419e11 - 1) < 2e-3, active
+  assert rows["moe_routed_experts"] > 0.9 * total
+
+
+def test_params_cli_last_line_is_json():
+  r = run_params("--config=experiments/k3_small.py")
+  assert r.returncode == 0, r.stderr
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert 1e9 <= out["total"] <= 3e9 and out["active"] < out["total"]

@@ -1,0 +1,242 @@
+"""Stable LatentMoE (K3_SPEC 4) against a per-token loop, its gradients, masks and bias glue."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import base_config
+from k3jax.model import quantile_balancing as qb
+from k3jax.model.axes import use_rules
+from k3jax.model.latent_moe import LatentMoE, update_bias
+
+D, E, K, LAT, HID, SHARED, BINS = 24, 8, 3, 12, 16, 20, 64
+
+
+def tiny_model_cfg(**moe):
+  m = base_config().model
+  m.d_model, m.dtype, m.param_dtype = D, "float32", "float32"
+  e = m.moe
+  e.num_experts, e.top_k, e.expert_dim, e.latent_dim = E, K, HID, LAT
+  e.num_shared, e.shared_dim, e.routed_scaling, e.balance_bins = 2, SHARED, 1.5, BINS
+  for name, value in moe.items():
+    setattr(e, name, value)
+  return m
+
+
+def build(cfg, seed=0, bias_std=0.3):
+  """LatentMoE with random values: shapes from eval_shape, values from numpy.
+
+  (Eager init compiles a truncated normal per new shape, ~2 s each on CPU.) Matrices get
+  N(0, 1/fan_in), vectors (norm gain) 1 + N(0, 0.1^2), the bias N(0, bias_std^2).
+  """
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: LatentMoE(cfg, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(seed)
+
+  def fill(path, v):
+    shape, dtype = v.shape, v.dtype
+    if path[-1] == "bias":
+      x = rng.normal(size=shape) * bias_std
+    elif len(shape) == 1:
+      x = 1.0 + 0.1 * rng.normal(size=shape)
+    else:
+      x = rng.normal(size=shape) / np.sqrt(shape[-2])
+    return jnp.asarray(x, dtype)
+
+  state = nnx.map_state(fill, state)
+  return nnx.merge(graphdef, state)
+
+
+def make(seed=0, bias_std=0.3, **moe):
+  cfg = tiny_model_cfg(**moe)
+  return cfg, build(cfg, seed, bias_std)
+
+
+@nnx.jit
+def forward(module, x, valid):
+  return module(x, valid)
+
+
+def inputs(b=2, t=8, seed=1):
+  return jax.random.normal(jax.random.key(seed), (b, t, D), jnp.float32)
+
+
+def np_(v):
+  return np.asarray(v[...], np.float64)
+
+
+def situ(g, v, b1=4.0, b2=25.0):
+  return b1 * np.tanh(g / b1) * np.exp(-np.logaddexp(0.0, -g)) * b2 * np.tanh(v / b2)
+
+
+def reference(module, cfg, x):
+  """Per-token loop in float64: own top-k selection on s + b, experts one by one."""
+  xs = np.asarray(x, np.float64).reshape(-1, D)
+  wr, b = np_(module.router.kernel), np_(module.bias)
+  wg, wu, wd = np_(module.w_g), np_(module.w_u), np_(module.w_d)
+  w_down, w_up, gain = np_(module.w_down.kernel), np_(module.w_up.kernel), np_(
+      module.latent_norm.weight)
+  ys, sels = [], []
+  for xt in xs:
+    s = 1.0 / (1.0 + np.exp(-(xt @ wr)))
+    sel = np.argsort(-(s + b))[:K]
+    p = s[sel] / s[sel].sum()
+    z = xt @ w_down
+    u = sum(p[i] * cfg.moe.routed_scaling * (situ(z @ wg[j], z @ wu[j]) @ wd[j])
+            for i, j in enumerate(sel))
+    y = (u / np.sqrt(np.mean(u * u) + cfg.norm_eps) * gain) @ w_up
+    for mlp in module.shared:
+      y = y + situ(xt @ np_(mlp.w_g.kernel), xt @ np_(mlp.w_u.kernel)) @ np_(mlp.w_d.kernel)
+    ys.append(y)
+    sels.append(sel)
+  return np.stack(ys).reshape(x.shape), np.stack(sels)
+
+
+def test_matches_per_token_loop():
+  cfg, module = make()
+  x = inputs()
+  y, aux = forward(module, x, None)
+  assert y.shape == x.shape and y.dtype == jnp.float32
+  ref, sels = reference(module, cfg, x)
+  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+  load = np.bincount(sels.reshape(-1), minlength=E)
+  np.testing.assert_array_equal(np.asarray(aux["load"]), load)
+  assert aux["counts"].shape == (E, BINS) and aux["counts"].dtype == jnp.int32
+  assert aux["load"].dtype == jnp.int32
+  # the bias really selects: a large bias on expert 0 puts every token there
+  module.bias[...] = np.eye(E, dtype=np.float32)[0] * 5.0
+  y0, aux0 = forward(module, x, None)
+  assert np.asarray(aux0["load"])[0] == x.shape[0] * x.shape[1]
+  np.testing.assert_allclose(np.asarray(y0), reference(module, cfg, x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_reach_every_parameter_and_not_the_bias():
+  _, module = make()
+  x = inputs()
+  cot = jax.random.normal(jax.random.key(2), x.shape)
+
+  def loss(m):
+    return jnp.sum(m(x, None)[0] * cot)
+
+  grads = nnx.jit(nnx.grad(loss))(module)
+  flat = nnx.to_flat_state(grads)
+  names = {"/".join(map(str, path)) for path, _ in flat}
+  assert "router/kernel" in names and "bias" not in " ".join(names)
+  for path, g in flat:
+    assert np.abs(np.asarray(g[...])).max() > 0, path
+  # each routed expert that received tokens gets gradient in all three matrices
+  load = np.asarray(forward(module, x, None)[1]["load"])
+  for w in (grads.w_g, grads.w_u, grads.w_d):
+    per_expert = np.abs(np.asarray(w[...])).reshape(E, -1).max(-1)
+    np.testing.assert_array_equal(per_expert > 0, load > 0)
+  # the bias only selects: its gradient is exactly zero
+  bias_grad = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, qb.BalanceBias)))(module)
+  assert np.abs(np.asarray(bias_grad.bias[...])).max() == 0.0
+
+
+def test_valid_mask_only_affects_statistics():
+  _, module = make()
+  x = inputs()
+  valid = np.arange(16).reshape(2, 8) % 8 < 5  # the last 3 positions of each row: padding
+  y_all, aux_all = forward(module, x, np.ones((2, 8), bool))
+  y, aux = forward(module, x, valid)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_all))
+  n_valid = int(valid.sum())
+  assert np.asarray(aux["counts"]).sum() == n_valid * E
+  assert np.asarray(aux["load"]).sum() == n_valid * K
+  assert np.asarray(aux_all["counts"]).sum() == 16 * E
+  # the histogram equals the one of the valid tokens alone
+  _, aux_sub = forward(module, x[:, :5], np.ones((2, 5), bool))
+  np.testing.assert_array_equal(np.asarray(aux["counts"]), np.asarray(aux_sub["counts"]))
+
+
+def test_shared_experts_added_unweighted():
+  _, module = make()
+  x = inputs()
+  module.w_up.kernel[...] = np.zeros(module.w_up.kernel.shape, np.float32)
+  y, _ = forward(module, x, None)
+  shared = nnx.jit(lambda m, x: sum(mlp(x) for mlp in m.shared))(module, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(shared), rtol=1e-6, atol=1e-6)
+
+
+def test_no_balancing_ignores_bias():
+  _, module = make(balancing="none", bias_std=3.0)
+  x = inputs()
+  y, aux = forward(module, x, None)
+  assert np.abs(np.asarray(aux["counts"])).sum() == 0
+  module.bias[...] = np.zeros(E, np.float32)
+  y0, _ = forward(module, x, None)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+  old = np.asarray(module.bias[...])
+  update_bias(module, np.ones((E, BINS), np.int32))
+  np.testing.assert_array_equal(np.asarray(module.bias[...]), old)
+
+
+def test_update_bias_single_and_stacked():
+  _, module = make()
+  _, aux = forward(module, inputs(), None)
+  old = module.bias[...]
+  solve = jax.jit(qb.solve_bias, static_argnums=2)
+  nnx.jit(update_bias)(module, aux["counts"])  # in place, under jit
+  np.testing.assert_allclose(np.asarray(module.bias[...]),
+                             np.asarray(solve(aux["counts"], old, K)), atol=1e-7)
+  assert abs(float(np.mean(np.asarray(module.bias[...])))) < 1e-6
+  # scanned layers hold a stacked bias [layers, E]: solved per layer with vmap
+  old, counts = np.asarray(old), np.asarray(aux["counts"])
+  stacked = qb.BalanceBias(np.stack([old, old * 2]))
+  counts = np.stack([counts, counts[::-1]])
+  nnx.jit(update_bias, static_argnames="k")(stacked, counts, k=K)
+  for i in range(2):
+    np.testing.assert_allclose(np.asarray(stacked[...][i]),
+                               np.asarray(solve(counts[i], old * (i + 1), K)), atol=1e-7)
+
+
+def test_axes_dtypes_and_mesh_constraints():
+  cfg = tiny_model_cfg()
+  cfg.dtype, cfg.param_dtype = "bfloat16", "bfloat16"
+  module = build(cfg)
+  names = {"/".join(map(str, p)): v.get_metadata()["out_sharding"]
+           for p, v in nnx.to_flat_state(nnx.state(module))}
+  assert names["router/kernel"] == ("embed", "experts")
+  assert names["bias"] == ("experts",)
+  assert names["w_down/kernel"] == ("embed", "latent")
+  assert names["w_g"] == names["w_u"] == ("experts", "latent", "mlp")
+  assert names["w_d"] == ("experts", "mlp", "latent")
+  assert names["latent_norm/weight"] == ("latent",)
+  assert names["w_up/kernel"] == ("latent", "embed")
+  assert names["shared/0/w_g/kernel"] == ("embed", "mlp")
+  assert module.router.kernel[...].dtype == jnp.float32  # the router stays fp32
+  assert module.bias[...].dtype == jnp.float32
+  assert module.w_g[...].dtype == jnp.bfloat16
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  with use_rules(mesh, [("batch", "data"), ("experts", None)]):
+    y, aux = forward(module, inputs(), None)
+  assert y.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(y, np.float32)))
+  assert np.asarray(aux["counts"]).sum() == 16 * E
+
+
+def test_capacity_dispatch_equals_dropless_when_nothing_drops():
+  x = inputs()
+  _, dropless = make(dispatch="dropless")
+  _, roomy = make(dispatch="capacity", capacity_factor=E / K)  # room for every pair
+  y, aux = forward(dropless, x, None)
+  y_cap, aux_cap = forward(roomy, x, None)
+  np.testing.assert_allclose(np.asarray(y_cap), np.asarray(y), rtol=1e-5, atol=1e-5)
+  assert int(aux_cap["dropped"]) == 0 and int(aux["dropped"]) == 0
+
+
+def test_capacity_drops_latest_positions_first_and_counts_them():
+  """With one slot per expert per row, an expert keeps its earliest token of each row;
+  dropped pairs contribute nothing and are counted. Rows never affect each other."""
+  cfg, module = make(dispatch="capacity", capacity_factor=E / (K * 8))  # capacity 1 per row
+  module.bias[...] = np.zeros(E, np.float32)
+  x = inputs(b=2, t=8)
+  y, aux = forward(module, x, None)
+  ref, sels = reference(module, cfg, x)
+  assert int(aux["dropped"]) == sels.size - len({(i // 8, e) for i, s in
+                                                 enumerate(sels.reshape(16, K)) for e in s})
+  # Row 1 alone gives the same output as row 1 batched with row 0.
+  y1, _ = forward(module, x[1:], None)
+  np.testing.assert_allclose(np.asarray(y[1:]), np.asarray(y1), rtol=1e-5, atol=1e-5)
+  # The first token of each row is never dropped: equals the dropless reference there.
+  np.testing.assert_allclose(np.asarray(y[:, 0]), ref[:, 0], rtol=1e-5, atol=1e-5)
