@@ -15,8 +15,8 @@ import math
 
 from absl import app
 from flax import nnx
-from ml_collections import config_flags
 
+from k3jax import cli
 from k3jax import config as k3config
 from k3jax.model import K3Model
 from k3jax.model.attn_res import AttnResQuery
@@ -25,8 +25,6 @@ from k3jax.model.latent_moe import LatentMoE
 from k3jax.model.mla import MLA
 from k3jax.model.situ_glu import GLUMLP
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
 
 # Innermost module type -> component name (order: most specific first).
 _COMPONENTS = ((LatentMoE, "moe"), (GLUMLP, "dense_ffn"), (KDA, "kda"), (MLA, "mla"),
@@ -74,7 +72,7 @@ def count(cfg) -> tuple[dict[str, int], int, int]:
 
 def main(argv):
   del argv
-  cfg = k3config.validate(_CONFIG.value)
+  cfg = k3config.validate(cli.CONFIG.value)
   rows, total, active = count(cfg)
   print(f"{'component':<22}{'parameters':>20}{'share':>9}")
   for name, n in sorted(rows.items(), key=lambda kv: -kv[1]):

@@ -20,17 +20,15 @@ import optax
 from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
-from ml_collections import config_flags
 
 from k3jax import checkpoint, flops, metrics, optim
+from k3jax import cli
 from k3jax import config as k3config
 from k3jax import data as k3data
 from k3jax.model import K3Model, axes
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["config", "workdir"])  # config: k3jax.cli
 
 # Mesh rules of the data-parallel default: the batch is split over all devices and
 # parameters are replicated. Sharded layouts come with k3jax's parallel package.
@@ -246,7 +244,7 @@ def evaluate(cfg, eval_step, params, rest, sharding) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  train(_CONFIG.value, _WORKDIR.value)
+  train(cli.CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":
