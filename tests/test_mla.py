@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.config import base_config
 from k3jax.model.mla import MLA, attention, attention_mask
 
 H, NOPE, ROPE, V = 3, 8, 4, 6
@@ -17,11 +18,7 @@ H, NOPE, ROPE, V = 3, 8, 4, 6
 
 def small_model_cfg(dtype: str = "float32") -> ml_collections.ConfigDict:
   """base_config().model shrunk to a few-hundred-parameter MLA."""
-  try:
-    from k3jax.config import base_config  # noqa: PLC0415
-    m = base_config().model
-  except ImportError:  # the data package is not there yet
-    m = ml_collections.ConfigDict({"mla": {}})
+  m = base_config().model
   m.d_model, m.norm_eps, m.dtype, m.param_dtype = 32, 1e-6, dtype, "float32"
   m.mla.num_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank = H, 16, 12
   m.mla.qk_nope_dim, m.mla.qk_rope_dim, m.mla.v_head_dim = NOPE, ROPE, V
