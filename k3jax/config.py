@@ -167,7 +167,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
   _check(t.global_batch >= 1, "train.global_batch", "must be >= 1")
   o = c.optimizer
-  _check(o.name in ("adamw",), "optimizer.name", f"unknown optimizer {o.name!r} (known: adamw)")
+  from k3jax.optim import OPTIMIZERS  # noqa: PLC0415  (the registry is the one list of names)
+  _check(o.name in OPTIMIZERS, "optimizer.name",
+         f"unknown optimizer {o.name!r} (known: {', '.join(sorted(OPTIMIZERS))})")
   _check(0 <= o.warmup_steps <= t.steps, "optimizer.warmup_steps",
          f"must be in [0, train.steps={t.steps}], got {o.warmup_steps}")
   return c

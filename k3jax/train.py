@@ -9,7 +9,6 @@ Rerunning the same command with the same workdir resumes from its latest checkpo
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-from ml_collections import config_flags  # noqa: F401  (the loader the entry points use)
 
 from k3jax import config as k3config
 from k3jax import params as k3params
