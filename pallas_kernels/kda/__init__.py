@@ -11,16 +11,16 @@ BACKENDS = ("chunk", "naive")
 
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
         segment_ids=None, output_final_state=False, chunk_size=64, sub_chunk_size=16):
-    """KDA through the named backend: "chunk" (default) or "naive".
+  """KDA through the named backend: "chunk" (default) or "naive".
 
-    chunk_size and sub_chunk_size only apply to "chunk". Returns what the backend returns:
-    o [B, T, H, V], plus the final state [B, H, K, V] if output_final_state.
-    """
-    common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
-                  output_final_state=output_final_state)
-    if backend == "chunk":
-        return kda_chunk(q, k, v, g, beta, chunk_size=chunk_size,
-                         sub_chunk_size=sub_chunk_size, **common)
-    if backend == "naive":
-        return kda_naive(q, k, v, g, beta, **common)
-    raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")
+  chunk_size and sub_chunk_size only apply to "chunk". Returns what the backend returns:
+  o [B, T, H, V], plus the final state [B, H, K, V] if output_final_state.
+  """
+  common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
+                output_final_state=output_final_state)
+  if backend == "chunk":
+    return kda_chunk(q, k, v, g, beta, chunk_size=chunk_size,
+                     sub_chunk_size=sub_chunk_size, **common)
+  if backend == "naive":
+    return kda_naive(q, k, v, g, beta, **common)
+  raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")

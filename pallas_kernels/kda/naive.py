@@ -13,51 +13,51 @@ _HI = jax.lax.Precision.HIGHEST
 
 def kda_naive(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
               output_final_state=False):
-    """Gated delta rule with per-channel decay, one token at a time.
+  """Gated delta rule with per-channel decay, one token at a time.
 
-    For each batch row and head, with state S [K, V] (fp32):
-        S <- diag(exp(g_t)) S
-        S <- S + beta_t k_t (v_t - S^T k_t)^T
-        o_t = S^T (scale q_t)
+  For each batch row and head, with state S [K, V] (fp32):
+      S <- diag(exp(g_t)) S
+      S <- S + beta_t k_t (v_t - S^T k_t)^T
+      o_t = S^T (scale q_t)
 
-    Args:
-      q, k: [B, T, H, K]. (L2 normalization, if any, is the caller's job.)
-      v: [B, T, H, V].
-      g: [B, T, H, K] log-decay, g <= 0 (already gated by the caller).
-      beta: [B, T, H].
-      scale: multiplies q; defaults to K ** -0.5.
-      initial_state: [B, H, K, V] or None (zeros). Applies to the first document only.
-      segment_ids: [B, T] int or None. Each contiguous run of equal ids is one document;
-        the state resets to zero at the first token of every document after the first.
-      output_final_state: also return the state after the last token.
+  Args:
+    q, k: [B, T, H, K]. (L2 normalization, if any, is the caller's job.)
+    v: [B, T, H, V].
+    g: [B, T, H, K] log-decay, g <= 0 (already gated by the caller).
+    beta: [B, T, H].
+    scale: multiplies q; defaults to K ** -0.5.
+    initial_state: [B, H, K, V] or None (zeros). Applies to the first document only.
+    segment_ids: [B, T] int or None. Each contiguous run of equal ids is one document;
+      the state resets to zero at the first token of every document after the first.
+    output_final_state: also return the state after the last token.
 
-    Returns:
-      o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
-    """
-    B, T, H, K = q.shape
-    if scale is None:
-        scale = K ** -0.5
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    state = (jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None
-             else f32(initial_state))
-    if segment_ids is None:
-        reset = jnp.zeros((B, T), bool)
-    else:
-        reset = jnp.concatenate(  # True where a new document starts (never at t = 0)
-            [jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  Returns:
+    o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
+  """
+  B, T, H, K = q.shape
+  if scale is None:
+    scale = K ** -0.5
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  state = (jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None
+           else f32(initial_state))
+  if segment_ids is None:
+    reset = jnp.zeros((B, T), bool)
+  else:
+    reset = jnp.concatenate(  # True where a new document starts (never at t = 0)
+        [jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
-    def step(S, xs):  # S: [B, H, K, V]
-        q_t, k_t, v_t, g_t, b_t, reset_t = xs  # [B, H, K] x2, [B, H, V], [B, H, K], [B, H], [B]
-        S = jnp.where(reset_t[:, None, None, None], 0.0, S)
-        S = S * jnp.exp(g_t)[..., None]
-        v_err = v_t - jnp.einsum('bhkv,bhk->bhv', S, k_t, precision=_HI)
-        S = S + jnp.einsum('bhk,bhv->bhkv', b_t[..., None] * k_t, v_err, precision=_HI)
-        o_t = jnp.einsum('bhkv,bhk->bhv', S, scale * q_t, precision=_HI)
-        return S, o_t
+  def step(S, xs):  # S: [B, H, K, V]
+    q_t, k_t, v_t, g_t, b_t, reset_t = xs  # [B, H, K] x2, [B, H, V], [B, H, K], [B, H], [B]
+    S = jnp.where(reset_t[:, None, None, None], 0.0, S)
+    S = S * jnp.exp(g_t)[..., None]
+    v_err = v_t - jnp.einsum('bhkv,bhk->bhv', S, k_t, precision=_HI)
+    S = S + jnp.einsum('bhk,bhv->bhkv', b_t[..., None] * k_t, v_err, precision=_HI)
+    o_t = jnp.einsum('bhkv,bhk->bhv', S, scale * q_t, precision=_HI)
+    return S, o_t
 
-    time_major = lambda x: jnp.moveaxis(f32(x), 1, 0)
-    xs = (time_major(q), time_major(k), time_major(v), time_major(g), time_major(beta),
-          jnp.moveaxis(reset, 1, 0))
-    state, o = jax.lax.scan(step, state, xs)
-    o = jnp.moveaxis(o, 0, 1).astype(q.dtype)  # [B, T, H, V]
-    return (o, state) if output_final_state else o
+  time_major = lambda x: jnp.moveaxis(f32(x), 1, 0)
+  xs = (time_major(q), time_major(k), time_major(v), time_major(g), time_major(beta),
+        jnp.moveaxis(reset, 1, 0))
+  state, o = jax.lax.scan(step, state, xs)
+  o = jnp.moveaxis(o, 0, 1).astype(q.dtype)  # [B, T, H, V]
+  return (o, state) if output_final_state else o
