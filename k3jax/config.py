@@ -40,7 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
   k.gate = "bounded"     # "bounded": lb*sigmoid(exp(A_log)(f+dt_bias)); "softplus": Kimi Linear
   k.gate_lower_bound = -5.0
   k.chunk_size = 64
-  k.backend = "chunk"    # pallas_kernels.kda dispatcher backend
+  k.backend = "chunk"    # pallas_kernels.kda backend: chunk (pure JAX), naive, kernel (Pallas), interpret, auto
 
   a = m.mla = ml_collections.ConfigDict()
   a.num_heads = 96
@@ -90,14 +90,33 @@ def base_config() -> ml_collections.ConfigDict:
   t.peak_tflops = 0.0    # per-device peak for the MFU estimate; 0 = detect from the device
 
   o = c.optimizer = ml_collections.ConfigDict()
-  o.name = "adamw"
-  o.learning_rate = 3e-4
+  o.name = "muon"        # "muon": Muon for matrices + AdamW for the rest; "adamw": AdamW only
+  o.learning_rate = 3e-4  # one schedule for both (Muon's update RMS is matched to AdamW's)
   o.warmup_steps = 2_000
   o.min_lr_ratio = 0.1   # cosine decays to learning_rate * min_lr_ratio
-  o.b1 = 0.9
+  o.b1 = 0.9             # AdamW
   o.b2 = 0.95
   o.eps = 1e-8
-  o.weight_decay = 0.1
+  o.weight_decay = 0.1   # decoupled, matrices only (Muon and AdamW alike)
+  o.qk_clip_tau = 100.0  # QK-Clip: cap on each MLA head's max pre-softmax logit; 0 = off
+
+  u = o.muon = ml_collections.ConfigDict()
+  u.momentum = 0.95
+  u.nesterov = True
+  u.ns_steps = 5
+  u.ns_coeffs = (3.4445, -4.7750, 2.0315)
+  u.ns_eps = 1e-7        # Newton-Schulz input: X / (||X||_F + ns_eps)
+  u.ns_dtype = "bfloat16"  # Newton-Schulz operands (accumulation is fp32)
+  u.ns_backend = "auto"  # pallas_kernels.newton_schulz backend
+  u.rms_scale = 0.2      # update = rms_scale * sqrt(max(fan_in, fan_out)) * NS(momentum)
+  u.per_head = True      # per-head blocks for KDA q/k/v and MLA W_qb/W_kvb; False: whole matrix
+  u.router = "adamw"     # the MoE router's optimizer: "adamw" or "muon"
+
+  p = c.mesh = ml_collections.ConfigDict()   # device mesh axes (k3jax.parallel.mesh)
+  p.data = -1            # -1: the devices the other axes leave
+  p.fsdp = 1
+  p.expert = 1
+  p.tensor = 1
 
   from k3jax.data import data_config  # noqa: PLC0415  (the data package owns its defaults)
   c.data = data_config()
@@ -135,6 +154,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"must be 'bounded' or 'softplus', got {k.gate!r}")
   _check(k.gate_lower_bound < 0, "model.kda.gate_lower_bound", "must be negative")
   _check(k.conv_size >= 1, "model.kda.conv_size", "must be >= 1")
+  from pallas_kernels.kda import BACKENDS as KDA_BACKENDS  # noqa: PLC0415
+  _check(k.backend in KDA_BACKENDS, "model.kda.backend",
+         f"unknown backend {k.backend!r} (known: {', '.join(KDA_BACKENDS)})")
   _check(k.gate == "bounded" or k.backend == "naive", "model.kda.backend",
          "the chunked form needs the bounded gate (g >= gate_lower_bound); use the 'naive' "
          "backend with gate='softplus'")
@@ -163,6 +185,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"must be 'k_plus_1' or 'leave_one_out', got {e.balance_cutoff!r}")
   r = m.attn_res
   _check(r.block_layers >= 1, "model.attn_res.block_layers", "must be >= 1")
+  p = c.mesh
+  for heads in ("kda", "mla"):
+    n = m[heads].num_heads
+    _check(p.tensor == -1 or n % p.tensor == 0, "mesh.tensor",
+           f"{p.tensor} does not divide model.{heads}.num_heads={n}")
+  _check(p.expert == -1 or e.num_experts % p.expert == 0, "mesh.expert",
+         f"{p.expert} does not divide model.moe.num_experts={e.num_experts}")
   t = c.train
   _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
   _check(t.global_batch >= 1, "train.global_batch", "must be >= 1")
@@ -172,4 +201,15 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"unknown optimizer {o.name!r} (known: {', '.join(sorted(OPTIMIZERS))})")
   _check(0 <= o.warmup_steps <= t.steps, "optimizer.warmup_steps",
          f"must be in [0, train.steps={t.steps}], got {o.warmup_steps}")
+  _check(o.qk_clip_tau >= 0, "optimizer.qk_clip_tau", "must be >= 0 (0 turns QK-Clip off)")
+  u = o.muon
+  _check(u.router in ("adamw", "muon"), "optimizer.muon.router",
+         f"must be 'adamw' or 'muon', got {u.router!r}")
+  _check(u.ns_steps >= 1, "optimizer.muon.ns_steps", f"must be >= 1, got {u.ns_steps}")
+  _check(len(u.ns_coeffs) == 3, "optimizer.muon.ns_coeffs", "must be 3 numbers (a, b, c)")
+  _check(u.ns_dtype in DTYPES, "optimizer.muon.ns_dtype", f"must be one of {DTYPES}")
+  _check(0 <= u.momentum < 1, "optimizer.muon.momentum", "must be in [0, 1)")
+  from pallas_kernels.newton_schulz import BACKENDS  # noqa: PLC0415
+  _check(u.ns_backend in BACKENDS, "optimizer.muon.ns_backend",
+         f"unknown backend {u.ns_backend!r} (known: {', '.join(BACKENDS)})")
   return c

@@ -13,14 +13,13 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import app, flags, logging
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from k3jax import checkpoint, flops, metrics, optim
+from k3jax import checkpoint, flops, metrics, optim, parallel
+from k3jax.steps import make_steps
 from k3jax import cli
 from k3jax import config as k3config
 from k3jax import data as k3data
@@ -28,11 +27,6 @@ from k3jax.model import K3Model, axes
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
 flags.mark_flags_as_required(["config", "workdir"])  # config: k3jax.cli
-
-# Mesh rules of the data-parallel default: the batch is split over all devices and
-# parameters are replicated. Sharded layouts come with k3jax's parallel package.
-DATA_RULES = (("batch", "data"),)
-
 
 def say(msg: str):
   """Announce a set-up phase or a result (process 0 only)."""
@@ -64,38 +58,6 @@ class Heartbeat:
     self._stop.set()
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
-  """Weighted mean next-token loss in nats. logits [B, T, V], targets/weights [B, T]."""
-  logits = logits.astype(jnp.float32)
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return jnp.sum((logz - picked) * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-
-
-def make_steps(graphdef, tx: optax.GradientTransformation):
-  """The jitted-to-be train and eval steps over (params, rest, opt_state, batch)."""
-
-  def loss_fn(params, rest, batch):
-    logits, aux = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["segment_ids"])
-    return cross_entropy(logits, batch["targets"], batch["weights"]), aux
-
-  def train_step(params, rest, opt_state, batch):
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    model = nnx.merge(graphdef, params, rest)
-    load = model.update_balance(aux["moe"])  # Quantile Balancing: outside the gradient
-    rest = nnx.state(model, nnx.Not(nnx.Param))
-    out = {"loss": loss, "grad_norm": optax.global_norm(grads),
-           "param_norm": optax.global_norm(params), **load}
-    return params, rest, opt_state, out
-
-  def eval_step(params, rest, batch):
-    return loss_fn(params, rest, batch)[0]
-
-  return train_step, eval_step
-
-
 def put_batch(batch: dict, sharding: NamedSharding) -> dict:
   """Places this process' rows of the global batch on the mesh."""
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
@@ -120,34 +82,40 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   ckpt = checkpoint.Checkpointer(workdir, keep=t.keep_checkpoints, save_every=t.checkpoint_every)
   writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
 
-  mesh = jax.make_mesh((jax.device_count(),), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  if t.global_batch % jax.device_count():
-    raise k3config.ConfigError(f"config.train.global_batch: {t.global_batch} does not divide "
-                               f"over {jax.device_count()} devices")
-  say(f"mesh: {dict(mesh.shape)}; rules: {DATA_RULES}; parameters replicated")
-  replicated = NamedSharding(mesh, P())
-  batch_sharding = NamedSharding(mesh, P("data"))
+  mesh = parallel.make_mesh(cfg.mesh)
+  batch_sharding = NamedSharding(mesh, parallel.batch_spec())
+  data_ways = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  if t.global_batch % data_ways:
+    raise k3config.ConfigError(f"config.train.global_batch: {t.global_batch} rows do not split "
+                               f"over the {data_ways} data-parallel devices (data x fsdp x expert)")
+  say(f"mesh: {dict(mesh.shape)}; batch sharded as {batch_sharding.spec}")
 
   say("model: building (abstract) ...")
   abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
-  graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
-  n_params = sum(x.size for x in jax.tree.leaves(abs_params))
-  tx, schedule = optim.make_optimizer(cfg, decay_mask=optim.weight_decay_mask(abs_params))
+  graphdef, abs_vars, abs_rest_vars = nnx.split(abstract, nnx.Param, ...)
+  parallel.check_divisible(abs_vars, mesh)
+  parallel.check_divisible(abs_rest_vars, mesh)
+  n_params = sum(x.size for x in jax.tree.leaves(abs_vars))
+  tx, schedule = optim.make_optimizer(cfg, abs_vars, mesh=mesh,
+                                      param_specs=parallel.param_specs(abs_vars))
+  say(f"optimizer: {optim.describe(cfg, abs_vars)}")
   fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
   say(f"model: {n_params:,} parameters; {fpt / 1e9:.3f} GFLOP/token (train, analytic); "
       f"layers {K3Model.__name__} {cfg.model.num_layers}, d {cfg.model.d_model}, "
       f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}")
+  param_sh, opt_sh = parallel.state_shardings(mesh, tx, abs_vars)
+  rest_sh = parallel.shardings(mesh, abs_rest_vars)
+  state_sh = (param_sh, rest_sh, opt_sh)
 
-  @functools.partial(jax.jit, out_shardings=replicated)
-  def init():
+  @functools.partial(jax.jit, out_shardings=state_sh)
+  def init():  # every array is created where it lives: nothing full-size on one device
     model = K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest = nnx.as_pure(params), nnx.as_pure(rest)
     return params, rest, tx.init(params)
 
-  abs_state = jax.eval_shape(init)
-  abs_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                           abs_state)
+  abs_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                           jax.eval_shape(init), state_sh)
   ds = k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
                            seed=cfg.seed, process_index=jax.process_index(),
                            process_count=jax.process_count())
@@ -166,9 +134,10 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
     data_iter.set_state(data_state)
   config_json = cfg.to_json()
 
-  train_step, eval_step = make_steps(graphdef, tx)
-  with axes.use_rules(mesh, DATA_RULES):
-    train_step = jax.jit(train_step, donate_argnums=(0, 1, 2))
+  train_step, eval_step = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau)
+  with axes.use_rules(mesh, parallel.RULES):
+    train_step = jax.jit(train_step, donate_argnums=(0, 1, 2),
+                         out_shardings=(*state_sh, None))
     eval_step = jax.jit(eval_step)
 
   local_batch = t.global_batch // jax.process_count()
@@ -186,7 +155,7 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   while step < last:
     batch = put_batch(next(data_iter), batch_sharding)
     heartbeat.start(f"step {step + 1}" + (" (compiling)" if run_steps == 0 else ""))
-    with axes.use_rules(mesh, DATA_RULES):
+    with axes.use_rules(mesh, parallel.RULES):
       params, rest, opt_state, out = train_step(params, rest, opt_state, batch)
     step += 1
     run_steps += 1
@@ -211,7 +180,7 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
       window_t0, window_steps = time.time(), 0
     if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
       heartbeat.start(f"eval at step {step}")
-      with axes.use_rules(mesh, DATA_RULES):
+      with axes.use_rules(mesh, parallel.RULES):
         loss = evaluate(cfg, eval_step, params, rest, batch_sharding)
       heartbeat.done()
       say(f"eval  {step:>6}  held-out loss {loss:.4f}")

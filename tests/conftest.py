@@ -9,6 +9,10 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (AOT TPU compiles, tests/tpu_aot.py): no GCE metadata query, and no lockfile, so
+# that several pytest-xdist workers can load it at once.
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -41,7 +45,7 @@ def micro_config():
   t = c.train
   t.seq_len, t.global_batch, t.steps = 32, 4, 6
   t.log_every, t.eval_every, t.eval_batches, t.checkpoint_every = 1, 3, 1, 3
-  c.optimizer.warmup_steps, c.optimizer.learning_rate = 2, 3e-3
+  c.optimizer.warmup_steps, c.optimizer.learning_rate = 2, 1e-2
   return c
 
 

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.checkpoint import Checkpointer
 from k3jax.config import base_config
+from k3jax.model.layers import Dense
 
 
 def _state():
@@ -118,20 +119,22 @@ def test_shape_mismatch_names_the_path(tmp_path, mesh):
 
 class _Tiny(nnx.Module):
   def __init__(self, rngs):
-    self.dense = nnx.Linear(4, 8, rngs=rngs)
+    self.dense = Dense(4, 8, ("embed", "mlp"), rngs=rngs)   # Muon
+    self.emb = nnx.Param(jnp.ones((3, 4)))                  # AdamW
     self.norm = nnx.Param(jnp.ones((8,)))
     self.bias_state = nnx.BatchStat(jnp.zeros((8,)))   # non-trainable state
 
 
 def test_train_state_tuple_with_optimizer_state(tmp_path, mesh):
-  """The trainer's layout: (params, rest, opt_state) with Variables and optax namedtuples."""
-  from k3jax.optim import make_optimizer, weight_decay_mask
+  """The trainer's layout: (params, rest, opt_state) with Variables and optax namedtuples
+  (the default optimizer: Muon and AdamW partitions, masked nodes included)."""
+  from k3jax.optim import make_optimizer
 
   cfg = base_config()
   cfg.train.steps, cfg.optimizer.warmup_steps = 10, 2
   model = _Tiny(nnx.Rngs(0))
   _, params, rest = nnx.split(model, nnx.Param, ...)
-  tx, _ = make_optimizer(cfg, decay_mask=weight_decay_mask(params))
+  tx, _ = make_optimizer(cfg, params)
   opt_state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   updates, opt_state = tx.update(grads, opt_state, params)

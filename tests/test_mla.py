@@ -47,12 +47,12 @@ def make(dtype="float32") -> MLA:
 
 @nnx.jit
 def fwd(m: MLA, x, seg):
-  return m(x, seg)
+  return m(x, seg)[0]
 
 
 @nnx.jit
 def fwd_heads(m: MLA, x, seg):
-  return m.heads(x, seg)
+  return m.heads(x, seg)[0]
 
 
 def w(mod) -> np.ndarray:
@@ -181,7 +181,7 @@ def test_no_nan_with_padding_forward_and_grad():
   seg = jnp.asarray(SEG).at[1].set(0)   # rows with trailing/inner padding and one all padding
 
   def loss(m, x):
-    return jnp.sum(m(x, seg) ** 2)
+    return jnp.sum(m(x, seg)[0] ** 2)
 
   y = fwd(mla, x, seg)
   assert np.isfinite(np.asarray(y)).all()
@@ -194,7 +194,7 @@ def test_no_nan_with_padding_forward_and_grad():
 @nnx.jit
 def ungated(m: MLA, x, seg):
   q, k, v = m.project(x)
-  return m.w_o(attention(q, k, v, seg, m.scale))
+  return m.w_o(attention(q, k, v, seg, m.scale)[0])
 
 
 def test_output_gate_zero_is_half():
@@ -209,7 +209,7 @@ def test_output_gate_zero_is_half():
 def test_attention_shared_key_broadcast():
   q, k1, v = randn(6, 2, 7, 4, 5), randn(7, 2, 7, 1, 5), randn(8, 2, 7, 4, 3)
   seg = jnp.asarray([[1, 1, 1, 2, 2, 0, 0], [4] * 7], jnp.int32)
-  att = jax.jit(attention, static_argnums=4)
+  att = jax.jit(lambda *a: attention(*a)[0], static_argnums=4)
   out1 = att(q, k1, v, seg, 0.4)
   out4 = att(q, jnp.broadcast_to(k1, (2, 7, 4, 5)), v, seg, 0.4)
   np.testing.assert_allclose(out1, out4, rtol=1e-6, atol=1e-7)

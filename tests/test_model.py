@@ -101,7 +101,7 @@ def test_balance_update_reaches_every_moe_layer(micro):
   tokens = np.random.default_rng(3).integers(0, 64, (2, 40)).astype(np.int32)
   _, aux = forward(model, tokens, np.ones((2, 40), np.int32))
   before = [np.asarray(b) for _, b in nnx.to_flat_state(nnx.state(model, BalanceBias))]
-  stats = model.update_balance(aux["moe"])
+  stats = model.update_balance(aux)
   after = [np.asarray(b) for _, b in nnx.to_flat_state(nnx.state(model, BalanceBias))]
   assert len(after) == 8  # prefix layers 2-4, one stacked leaf per cycle position, suffix
   assert sum(a.size // 8 for a in after) == 12  # the 12 MoE layers of 13
@@ -115,7 +115,7 @@ def test_every_parameter_has_logical_axes():
   abstract = nnx.eval_shape(lambda: K3Model(micro_config().model, rngs=nnx.Rngs(0)))
   for path, var in nnx.to_flat_state(nnx.state(abstract)):
     names = var.get_metadata().get("out_sharding")
-    assert names is not None and len(names) == var.value.ndim, (path, names)
+    assert names is not None and len(names) == len(var.shape), (path, names)
     assert set(names) <= AXES, (path, names)
 
 

@@ -14,6 +14,7 @@ from k3jax.optim import OPTIMIZERS, make_optimizer, warmup_cosine, weight_decay_
 def _cfg(*, lr=1e-2, warmup=0, steps=100, min_ratio=0.1, clip=0.0, wd=0.1):
   c = base_config()
   o = c.optimizer
+  o.name = "adamw"   # this file specifies AdamW and the factory; Muon: test_muon.py
   o.learning_rate, o.warmup_steps, o.min_lr_ratio, o.weight_decay = lr, warmup, min_ratio, wd
   c.train.steps, c.train.grad_clip_norm = steps, clip
   return c
@@ -42,9 +43,9 @@ def test_make_optimizer_schedule_follows_config():
 def test_unknown_optimizer_names_known_ones():
   c = _cfg()
   c.optimizer.name = "sgdx"
-  with pytest.raises(ValueError, match="sgdx.*known: adamw"):
+  with pytest.raises(ValueError, match="sgdx.*known: adamw, muon"):
     make_optimizer(c)
-  assert "adamw" in OPTIMIZERS
+  assert set(OPTIMIZERS) == {"adamw", "muon"}
 
 
 def _reference_adamw(params, grads_seq, *, lr_fn, b1, b2, eps, wd, clip, decay):

@@ -45,6 +45,11 @@ def use_rules(mesh: Mesh, rules: Sequence[tuple[str, str | tuple[str, ...] | Non
     _ctx.mesh, _ctx.rules = old
 
 
+def current_mesh() -> Mesh | None:
+  """The mesh installed by `use_rules`, or None outside it."""
+  return _ctx.mesh
+
+
 def logical_to_spec(names: AxisNames, rules=None) -> PartitionSpec:
   """PartitionSpec for logical `names`; each mesh axis is used at most once."""
   rules = _ctx.rules if rules is None else dict(rules)

@@ -82,6 +82,7 @@ class Layer(nnx.Module):
       self.ffn = GLUMLP(d, f.hidden_dim, activation=f.activation, b1=f.situ_b1, b2=f.situ_b2,
                         rngs=rngs, dtype=jnp.dtype(cfg_model.dtype), param_dtype=pdt)
     self.is_moe = ffn == "moe"
+    self.is_mla = mixer == "mla"
 
   def _read(self, stream, query):
     return attn_res.read(stream, query) if self.attn_res else stream
@@ -90,14 +91,16 @@ class Layer(nnx.Module):
     return attn_res.write(stream, out, self.block_sublayers) if self.attn_res else stream + out
 
   def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array):
-    """stream: a BlockState (AttnRes) or the residual [B, T, d]. Returns (stream, moe aux)."""
+    """stream: a BlockState (AttnRes) or the residual [B, T, d]. Returns (stream, aux):
+    aux holds the mixer's aux (MLA: "logit_max" [H]) and, for a MoE layer, "moe"."""
     h = self._read(stream, self.mixer_query if self.attn_res else None)
-    stream = self._write(stream, self.mixer(self.mixer_norm(h), segment_ids))
+    out, aux = self.mixer(self.mixer_norm(h), segment_ids)
+    stream = self._write(stream, out)
     h = self._read(stream, self.ffn_query if self.attn_res else None)
     if self.is_moe:
-      out, aux = self.ffn(self.ffn_norm(h), valid)
+      out, aux["moe"] = self.ffn(self.ffn_norm(h), valid)
     else:
-      out, aux = self.ffn(self.ffn_norm(h)), {}
+      out = self.ffn(self.ffn_norm(h))
     return self._write(stream, out), aux
 
 
@@ -145,7 +148,7 @@ class K3Model(nnx.Module):
       self.out_query = attn_res.AttnResQuery(d, param_dtype=pdt, rngs=rngs)
     self.final_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
     self.lm_head = layers.Dense(d, v, ("embed", "vocab"), rngs=rngs, dtype=self.dtype,
-                                param_dtype=pdt)
+                                param_dtype=pdt, muon=None)  # AdamW (K3_SPEC 5)
 
   def _remat(self, fn):
     if self.remat == "none":
@@ -155,9 +158,10 @@ class K3Model(nnx.Module):
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array):
     """Returns (logits [B, T, vocab] in the compute dtype, aux).
 
-    aux["moe"] mirrors the layer groups: {"prefix": [...], "cycles": [...], "suffix": [...]},
-    each MoE entry holding the Quantile-Balancing `counts` and per-expert `load`
-    (stacked on a leading cycle axis for the scanned cycles).
+    aux mirrors the layer groups: {"prefix": [...], "cycles": [...], "suffix": [...]}, one
+    dict per layer (stacked on a leading cycle axis for the scanned cycles): "moe" (the
+    Quantile-Balancing `counts`, per-expert `load`, `dropped`) on MoE layers and
+    "logit_max" (per head) on MLA layers. `update_balance` and `qk_clip` consume it.
     """
     valid = segment_ids > 0
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
@@ -188,31 +192,49 @@ class K3Model(nnx.Module):
 
     h = attn_res.read(stream, self.out_query) if self.use_attn_res else stream
     logits = self.lm_head(self.final_norm(h))
-    return constrain(logits, ("batch", "seq", "vocab")), {"moe": aux}
+    return constrain(logits, ("batch", "seq", "vocab")), aux
 
-  def moe_layers(self):
-    """(group, index, LatentMoE) for every MoE layer, index into the aux structure."""
-    for group in ("prefix", "suffix"):
-      for i, layer in enumerate(getattr(self, group)):
-        if layer.is_moe:
-          yield group, i, layer.ffn
-    if self.cycles is not None:
-      for j, layer in enumerate(self.cycles.layers):
-        yield "cycles", j, layer.ffn
+  def all_layers(self):
+    """(group, index, Layer) for every layer, index into the aux structure. A "cycles"
+    Layer holds parameters stacked over the scanned cycles."""
+    for group in ("prefix", "cycles", "suffix"):
+      if group == "cycles":
+        layers_ = self.cycles.layers if self.cycles is not None else ()
+      else:
+        layers_ = getattr(self, group)
+      for i, layer in enumerate(layers_):
+        yield group, i, layer
 
-  def update_balance(self, aux_moe) -> dict[str, jax.Array]:
+  def update_balance(self, aux) -> dict[str, jax.Array]:
     """After an optimizer step: solve every MoE layer's Quantile-Balancing bias from the
     step's histograms (a no-op for moe.balancing == "none") and return load statistics:
-    the worst and the average over layers of max/mean expert load."""
-    ratios = []
-    for group, i, moe in self.moe_layers():
-      aux = aux_moe[group][i]
-      update_bias(moe, aux["counts"])
-      load = aux["load"].reshape(-1, moe.num_experts).astype(jnp.float32)
+    the worst and the average over layers of max/mean expert load, and dropped tokens."""
+    ratios, dropped = [], 0
+    for group, i, layer in self.all_layers():
+      if not layer.is_moe:
+        continue
+      moe_aux = aux[group][i]["moe"]
+      update_bias(layer.ffn, moe_aux["counts"])
+      load = moe_aux["load"].reshape(-1, layer.ffn.num_experts).astype(jnp.float32)
       ratios.append(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
+      dropped = dropped + jnp.sum(moe_aux["dropped"])
     if not ratios:
       return {}
     ratios = jnp.concatenate(ratios)
-    dropped = sum(jnp.sum(aux_moe[g][i]["dropped"]) for g, i, _ in self.moe_layers())
     return {"moe_max_load": jnp.max(ratios), "moe_mean_max_load": jnp.mean(ratios),
             "moe_dropped": dropped}
+
+  def qk_clip(self, aux, tau: float) -> dict[str, jax.Array]:
+    """After an optimizer step: QK-Clip every MLA layer with the step's per-head max
+    logits (tau <= 0: only report). Returns the largest logit and the clipped heads."""
+    maxima, clipped = [], 0
+    for group, i, layer in self.all_layers():
+      if not layer.is_mla:
+        continue
+      logit_max = aux[group][i]["logit_max"]
+      maxima.append(jnp.max(logit_max))
+      if tau > 0:
+        clipped = clipped + layer.mixer.clip_qk(logit_max, tau)
+    if not maxima:
+      return {}
+    return {"mla_max_logit": jnp.max(jnp.stack(maxima)), "qk_clipped_heads": clipped}

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.model import layers
+from k3jax.model import axes
 from k3jax.model.axes import constrain
 from pallas_kernels import kda as kda_ops
 
@@ -57,9 +58,9 @@ class KDA(nnx.Module):
                  param_dtype=jnp.dtype(cfg_model.param_dtype))
     pdt = jnp.dtype(cfg_model.param_dtype)
     hd = ("embed", "heads", "head_dim")
-    self.q_proj = layers.Dense(d, (h, k), hd, **dense)
-    self.k_proj = layers.Dense(d, (h, k), hd, **dense)
-    self.v_proj = layers.Dense(d, (h, k), hd, **dense)
+    self.q_proj = layers.Dense(d, (h, k), hd, muon="per_head", **dense)
+    self.k_proj = layers.Dense(d, (h, k), hd, muon="per_head", **dense)
+    self.v_proj = layers.Dense(d, (h, k), hd, muon="per_head", **dense)
     conv_axes = ("conv", "heads", "head_dim")
     self.q_conv = layers.param(rngs, _conv_init, (c.conv_size, h, k), conv_axes, pdt)
     self.k_conv = layers.param(rngs, _conv_init, (c.conv_size, h, k), conv_axes, pdt)
@@ -87,15 +88,18 @@ class KDA(nnx.Module):
       return self.lower_bound * jax.nn.sigmoid(a * f)
     return -a * jax.nn.softplus(f)
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:
+    """y [B, T, d] and an empty aux (mixers return (y, aux), see `MLA`)."""
     act = ("batch", "seq", "heads", "head_dim")
     q = constrain(jax.nn.silu(short_conv(self.q_proj(x), self.q_conv[...], segment_ids)), act)
     k = constrain(jax.nn.silu(short_conv(self.k_proj(x), self.k_conv[...], segment_ids)), act)
     v = constrain(jax.nn.silu(short_conv(self.v_proj(x), self.v_conv[...], segment_ids)), act)
     q, k = l2_normalize(q).astype(v.dtype), l2_normalize(k).astype(v.dtype)
     beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+    spec = axes.logical_to_spec(act)   # where q/k/v live, for the kernels' shard_map
     o = kda_ops.kda(q, k, v, self.decay(x), beta, segment_ids=segment_ids,
-                    backend=self.backend, chunk_size=self.chunk_size)
+                    backend=self.backend, chunk_size=self.chunk_size,
+                    mesh=axes.current_mesh(), batch_axis=spec[0], head_axis=spec[2])
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(
         self.gate_proj(x).astype(jnp.float32))
-    return constrain(self.o_proj(o.astype(x.dtype)), ("batch", "seq", "embed"))
+    return constrain(self.o_proj(o.astype(x.dtype)), ("batch", "seq", "embed")), {}

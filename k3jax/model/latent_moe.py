@@ -137,16 +137,17 @@ class LatentMoE(nnx.Module):
 
     # The router is stored and applied in fp32 whatever the model dtypes.
     self.router = Dense(d, n_exp, ("embed", "experts"), rngs=rngs, dtype=jnp.float32,
-                        param_dtype=jnp.float32)
+                        param_dtype=jnp.float32, muon="router")
     self.bias = qb.BalanceBias(jnp.zeros((n_exp,), jnp.float32), out_sharding=("experts",),
                                eager_sharding=False)
+    expert_matrix = dict(muon="matrix", muon_roles=("expert", "in", "out"))
     self.w_down = Dense(d, lat, ("embed", "latent"), rngs=rngs, dtype=dtype, param_dtype=pdt)
     self.w_g = param(rngs, normal(lat ** -0.5), (n_exp, lat, hid), ("experts", "latent", "mlp"),
-                     pdt)
+                     pdt, **expert_matrix)
     self.w_u = param(rngs, normal(lat ** -0.5), (n_exp, lat, hid), ("experts", "latent", "mlp"),
-                     pdt)
+                     pdt, **expert_matrix)
     self.w_d = param(rngs, normal(hid ** -0.5), (n_exp, hid, lat), ("experts", "mlp", "latent"),
-                     pdt)
+                     pdt, **expert_matrix)
     self.latent_norm = RMSNorm(lat, "latent", eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
     self.w_up = Dense(lat, d, ("latent", "embed"), rngs=rngs, dtype=dtype, param_dtype=pdt)
     self.shared = nnx.List([

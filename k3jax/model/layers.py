@@ -2,6 +2,16 @@
 
 Parameters are stored in `param_dtype` (fp32 by default) and cast to the compute
 `dtype` (bf16 by default) where they are used.
+
+Every parameter also says how an optimizer should treat it (K3_SPEC 5), as metadata the
+optimizer reads instead of matching names:
+  muon        "matrix" (orthogonalize with Muon), "router" (a matrix the config may send
+              to AdamW), or absent (AdamW: embeddings, the LM head, norms, vectors, convs).
+  muon_roles  one role per axis of a Muon parameter: "in" or "out" (the matrix' fan-in
+              and fan-out sides), "expert" (each expert is its own block), "head" (an
+              output axis that per-head Muon splits into one block per head).
+Axes a `nnx.vmap` stacks on later (logical name "layers") carry no role: each layer is
+its own block.
 """
 
 from __future__ import annotations
@@ -18,14 +28,31 @@ from k3jax.model.axes import AxisNames
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
 
+MUON_KINDS = ("matrix", "router")
+MUON_ROLES = ("in", "out", "expert", "head")
+
+
 def param(rngs: nnx.Rngs | None, init: Initializer, shape: Sequence[int], axes: AxisNames,
-          dtype=jnp.float32) -> nnx.Param:
-  """An `nnx.Param` of `shape` whose logical axis names are `axes`."""
+          dtype=jnp.float32, *, muon: str | None = None,
+          muon_roles: Sequence[str] | None = None) -> nnx.Param:
+  """An `nnx.Param` of `shape` whose logical axis names are `axes`.
+
+  muon / muon_roles: the optimizer metadata of the module docstring (both or neither).
+  """
   if len(axes) != len(shape):
     raise ValueError(f"param: axes {axes} do not match shape {tuple(shape)}")
+  meta = {}
+  if muon is not None:
+    roles = tuple(muon_roles or ())
+    if muon not in MUON_KINDS or len(roles) != len(shape) or not set(roles) <= set(MUON_ROLES):
+      raise ValueError(f"param: muon={muon!r} needs one role of {MUON_ROLES} per axis of "
+                       f"{tuple(shape)}, got {roles}")
+    if "in" not in roles or "out" not in roles:
+      raise ValueError(f"param: a Muon matrix needs 'in' and 'out' axes, got {roles}")
+    meta = dict(muon=muon, muon_roles=roles)
   key = rngs.params() if rngs is not None else jax.random.key(0)
   return nnx.Param(init(key, tuple(shape), dtype), out_sharding=tuple(axes),
-                   eager_sharding=False)
+                   eager_sharding=False, **meta)
 
 
 def normal(std: float) -> Initializer:
@@ -48,16 +75,29 @@ class Dense(nnx.Module):
   x: [..., *in_shape] -> y: [..., *out_shape]; W: [*in_shape, *out_shape] with logical
   names `axes` (one per dim of W). Initialised N(0, 1/fan_in) (truncated) unless
   `init_std` says otherwise.
+
+  muon: how the optimizer treats W (module docstring): "matrix" (default), "per_head"
+  (a Q/K/V projection: its output axis named "heads" gives one Muon block per head),
+  "router", or None (AdamW).
   """
 
   def __init__(self, in_shape: int | Sequence[int], out_shape: int | Sequence[int],
                axes: AxisNames, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
-               param_dtype=jnp.float32, init_std: float | None = None):
+               param_dtype=jnp.float32, init_std: float | None = None,
+               muon: str | None = "matrix"):
     self.in_shape = (in_shape,) if isinstance(in_shape, int) else tuple(in_shape)
     self.out_shape = (out_shape,) if isinstance(out_shape, int) else tuple(out_shape)
     fan_in = math.prod(self.in_shape)
     std = fan_in ** -0.5 if init_std is None else init_std
-    self.kernel = param(rngs, normal(std), self.in_shape + self.out_shape, axes, param_dtype)
+    n_in = len(self.in_shape)
+    roles = ["in"] * n_in + ["out"] * len(self.out_shape)
+    if muon == "per_head":
+      if "heads" not in axes[n_in:]:
+        raise ValueError(f"Dense: muon='per_head' needs an output axis named 'heads', got {axes}")
+      roles = [r if i < n_in or axes[i] != "heads" else "head" for i, r in enumerate(roles)]
+      muon = "matrix"
+    self.kernel = param(rngs, normal(std), self.in_shape + self.out_shape, axes, param_dtype,
+                        muon=muon, muon_roles=roles if muon else None)
     self.dtype = dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:

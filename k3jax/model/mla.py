@@ -43,23 +43,27 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-              scale: float) -> jax.Array:
+              scale: float) -> tuple[jax.Array, jax.Array]:
   """Plain masked softmax attention with a causal + document mask.
 
   q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk] (1 = one key shared by all heads);
-  v: [B, T, H, Dv]; segment_ids: [B, T] int (0 = padding). Scores and softmax in fp32;
-  returns [B, T, H, Dv] in v's dtype.
+  v: [B, T, H, Dv]; segment_ids: [B, T] int (0 = padding). Scores and softmax in fp32.
+  Returns the output [B, T, H, Dv] in v's dtype and, for QK-Clip, each head's largest
+  pre-softmax logit over the real (non-padding) queries and the keys they see: [H] fp32,
+  without gradient. It reuses the softmax's row maxima, so it costs one small reduction.
   """
   scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(q.dtype),
                       preferred_element_type=jnp.float32) * scale       # [B, H, T, T]
   mask = attention_mask(segment_ids)[:, None]                            # [B, 1, T, T]
   scores = jnp.where(mask, scores, -jnp.inf)
-  scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-  p = jnp.exp(scores)
+  row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))  # [B, H, T, 1]
+  p = jnp.exp(scores - row_max)
   p = p / jnp.sum(p, axis=-1, keepdims=True)
   out = jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
-  return out.astype(v.dtype)
+  real = (segment_ids != 0)[:, None, :]                                  # [B, 1, T]
+  logit_max = jnp.max(jnp.where(real, row_max[..., 0], -jnp.inf), axis=(0, 2))
+  return out.astype(v.dtype), logit_max
 
 
 class MLA(nnx.Module):
@@ -78,11 +82,11 @@ class MLA(nnx.Module):
     self.wq_a = Dense(d, a.q_lora_rank, ("embed", "q_lora"), **dense)
     self.q_norm = RMSNorm(a.q_lora_rank, "q_lora", eps=eps, param_dtype=pdtype, rngs=rngs)
     self.wq_b = Dense(a.q_lora_rank, (h, self.nope + self.rope), ("q_lora", "heads", "head_dim"),
-                      **dense)
+                      muon="per_head", **dense)
     self.wkv_a = Dense(d, self.kv_lora + self.rope, ("embed", "kv_lora"), **dense)
     self.kv_norm = RMSNorm(self.kv_lora, "kv_lora", eps=eps, param_dtype=pdtype, rngs=rngs)
     self.wkv_b = Dense(self.kv_lora, (h, self.nope + self.v_dim), ("kv_lora", "heads", "head_dim"),
-                       **dense)
+                       muon="per_head", **dense)
     self.w_g = Dense(d, (h, self.v_dim), ("embed", "heads", "head_dim"), **dense)
     self.w_o = Dense((h, self.v_dim), d, ("heads", "head_dim", "embed"), **dense)
 
@@ -100,12 +104,34 @@ class MLA(nnx.Module):
     k = constrain(jnp.concatenate([k_nope, k_r], axis=-1), BTHD)
     return q, k, v
 
-  def heads(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Gated per-head outputs before W_o: [B, T, H, v]."""
+  def heads(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Gated per-head outputs before W_o [B, T, H, v], and the max logit per head [H]."""
     q, k, v = self.project(x)
-    o = constrain(attention(q, k, v, segment_ids, self.scale), BTHD)
+    o, logit_max = attention(q, k, v, segment_ids, self.scale)
+    o = constrain(o, BTHD)
     gate = jax.nn.sigmoid(self.w_g(x).astype(jnp.float32))
-    return constrain((o.astype(jnp.float32) * gate).astype(self.dtype), BTHD)
+    return constrain((o.astype(jnp.float32) * gate).astype(self.dtype), BTHD), logit_max
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    return constrain(self.w_o(self.heads(x, segment_ids)), BTE)
+  def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:
+    """y [B, T, d] and aux {"logit_max": [H]} (the per-head max pre-softmax logit)."""
+    heads, logit_max = self.heads(x, segment_ids)
+    return constrain(self.w_o(heads), BTE), {"logit_max": logit_max}
+
+  def clip_qk(self, logit_max: jax.Array, tau: float) -> jax.Array:
+    """QK-Clip (K3_SPEC 5), in place: every head whose max logit S exceeded tau gets
+    gamma = tau / S; its NoPE query and key weights are scaled by sqrt(gamma) and its
+    rope-slot query by gamma, so all of its logits shrink by gamma. The shared key slot
+    (in `wkv_a`) is untouched: it is shared by every head.
+
+    logit_max: [*L, H], L the stacked layer axes of this module's parameters (none for a
+    single layer). Returns the number of clipped heads.
+    """
+    gamma = jnp.where(logit_max > tau, tau / logit_max, 1.0)[..., None, :, None]  # [*L,1,H,1]
+    root = jnp.sqrt(gamma)
+    wq = self.wq_b.kernel[...]                                            # [*L, q_lora, H, nope+rope]
+    self.wq_b.kernel[...] = jnp.concatenate(
+        [wq[..., :self.nope] * root, wq[..., self.nope:] * gamma], axis=-1).astype(wq.dtype)
+    wkv = self.wkv_b.kernel[...]                                          # [*L, kv_lora, H, nope+v]
+    self.wkv_b.kernel[...] = jnp.concatenate(
+        [wkv[..., :self.nope] * root, wkv[..., self.nope:]], axis=-1).astype(wkv.dtype)
+    return jnp.sum(logit_max > tau)

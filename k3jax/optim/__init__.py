@@ -2,20 +2,27 @@
 
 from k3jax.optim.factory import (
     OPTIMIZERS,
-    STACKED_AXES,
+    describe,
     make_optimizer,
     make_schedule,
     ndim_decay_mask,
     weight_decay_mask,
 )
+from k3jax.optim.muon import BlockLayout, block_layouts, muon_labels, scale_by_muon
+from k3jax.optim.param_meta import STACKED_AXES
 from k3jax.optim.schedule import warmup_cosine
 
 __all__ = [
     "OPTIMIZERS",
     "STACKED_AXES",
+    "BlockLayout",
+    "block_layouts",
+    "describe",
     "make_optimizer",
     "make_schedule",
+    "muon_labels",
     "ndim_decay_mask",
+    "scale_by_muon",
     "warmup_cosine",
     "weight_decay_mask",
 ]

@@ -1,26 +1,45 @@
 """Kimi Delta Attention ops: `kda` dispatches to a backend; all share one contract
 (arrays [B, T, H, ...], see `kda_naive`)."""
 
+import jax
+
 from pallas_kernels.kda.chunk import LOWER_BOUND, kda_chunk
 from pallas_kernels.kda.naive import kda_naive
+from pallas_kernels.kda.pallas import kda_pallas, kda_pallas_sharded
 
-__all__ = ["BACKENDS", "LOWER_BOUND", "kda", "kda_chunk", "kda_naive"]
+__all__ = ["BACKENDS", "LOWER_BOUND", "kda", "kda_chunk", "kda_naive", "kda_pallas"]
 
-BACKENDS = ("chunk", "naive")
+# "kernel": the Pallas kernels compiled for the default device (Triton on GPU, Mosaic on
+# TPU); "interpret": the same kernels in Pallas interpret mode (any device, slow);
+# "auto": "kernel" on GPU and TPU, "chunk" elsewhere.
+BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
 
 
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
-        segment_ids=None, output_final_state=False, chunk_size=64, sub_chunk_size=16):
-  """KDA through the named backend: "chunk" (default) or "naive".
+        segment_ids=None, output_final_state=False, chunk_size=64, sub_chunk_size=16,
+        mesh=None, batch_axis=None, head_axis=None):
+  """KDA through the named backend (one of BACKENDS).
 
-  chunk_size and sub_chunk_size only apply to "chunk". Returns what the backend returns:
-  o [B, T, H, V], plus the final state [B, H, K, V] if output_final_state.
+  chunk_size and sub_chunk_size apply to "chunk" and the kernels. mesh, batch_axis,
+  head_axis: where the arrays are sharded (mesh axis names, or None); the kernels then
+  run per device under `shard_map` (a Pallas call is not partitioned by XLA), the
+  pure-JAX backends ignore them. Returns what the backend returns: o [B, T, H, V], plus
+  the final state [B, H, K, V] if output_final_state.
   """
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
+  if backend == "auto":
+    backend = "kernel" if jax.default_backend() in ("gpu", "tpu") else "chunk"
   if backend == "chunk":
     return kda_chunk(q, k, v, g, beta, chunk_size=chunk_size,
                      sub_chunk_size=sub_chunk_size, **common)
   if backend == "naive":
     return kda_naive(q, k, v, g, beta, **common)
+  if backend in ("kernel", "interpret"):
+    kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
+                  interpret=backend == "interpret")
+    if mesh is not None and (batch_axis is not None or head_axis is not None):
+      return kda_pallas_sharded(q, k, v, g, beta, mesh=mesh, batch_axis=batch_axis,
+                                head_axis=head_axis, **kernel, **common)
+    return kda_pallas(q, k, v, g, beta, **kernel, **common)
   raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")

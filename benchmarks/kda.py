@@ -1,0 +1,246 @@
+"""KDA on one GPU: our Pallas kernels against fla's Triton `chunk_kda` on the same inputs.
+
+For each shape (B, T, H, D): bf16 q, k (unit norm), v, g in (-5, 0) (the bounded gate, already
+applied), beta in (0, 1), an fp32 initial state. Prints, per shape, the agreement of outputs,
+final states and all six gradients (relative RMS; ours vs fla, and each vs the fp32
+chunked reference where it fits), and median times of forward and forward+backward with
+TFLOP/s of the chunked algorithm's matmuls (same count for both).
+
+fla autotunes its Triton kernels on every new shape: over 200 s for the first shape here
+(2026-11-30), so give a call several minutes per shape. Run on the H200 (fla carried as
+wheels, see /work/shared/ANCHORS.md):
+    python3 benchmarks/kda.py --shapes 8,4096,16,128 1,32768,16,128 --peer fla
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kda import kda_chunk, kda_pallas
+
+TOL = {"o": 0.005, "state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,
+       "dg": 0.02, "dbeta": 0.02}  # fla's bf16 conventions (relative RMS)
+NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def rel_rms(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / (np.linalg.norm(b) or 1.0))
+
+
+def make_inputs(seed, B, T, H, D):
+  """numpy float32 arrays: q, k, v, g, beta, h0 and the cotangents do, dht."""
+  rng = np.random.default_rng(seed)
+  f = lambda *s: rng.standard_normal(s, dtype=np.float32)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = unit(f(B, T, H, D)), unit(f(B, T, H, D))
+  g = (-5.0 / (1.0 + np.exp(-f(B, T, H, D) - 2.0))).astype(np.float32)  # mean ~ -4.4
+  beta = (1.0 / (1.0 + np.exp(-f(B, T, H)))).astype(np.float32)
+  return dict(q=q, k=k, v=f(B, T, H, D), g=g, beta=beta, h0=0.1 * f(B, H, D, D),
+              do=f(B, T, H, D), dht=0.1 * f(B, H, D, D))
+
+
+def flops(B, T, H, D, C=64):
+  """Forward matmul FLOPs of the chunked form (scores, UT products, recurrence); the
+  backward is counted as twice that."""
+  per_chunk = 4 * C * C * D + 2 * C * C * 2 * D + 2 * C * C * D + 6 * C * D * D
+  return B * H * (T // C) * per_chunk
+
+
+def time_jax(fn, args, reps=20):
+  """Median of 5 groups of `reps` back-to-back calls, in ms."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / reps * 1e3)
+  return float(np.median(times))
+
+
+def jax_fns(impl):
+  """jitted forward and forward+backward (cotangents do, dht) of one implementation."""
+  def fwd(q, k, v, g, beta, h0):
+    return impl(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+  def fwd_bwd(q, k, v, g, beta, h0, do, dht):
+    out, vjp = jax.vjp(fwd, q, k, v, g, beta, h0)
+    return out, vjp((do.astype(out[0].dtype), dht))
+
+  return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def run_ours(x, variants, reps):
+  bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+  args = [bf(n) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(x["h0"])]
+  cots = [bf("do"), jnp.asarray(x["dht"])]
+  results = {}
+  for name, kw in variants.items():
+    fwd, fwd_bwd = jax_fns(functools.partial(kda_pallas, **kw))
+    (o, st), grads = fwd_bwd(*args, *cots)
+    res = dict(zip(NAMES, [o, st, *grads]))
+    res = {n: np.asarray(jnp.asarray(a, jnp.float32)) for n, a in res.items()}
+    res["fwd_ms"] = time_jax(fwd, args, reps)
+    res["fwd_bwd_ms"] = time_jax(fwd_bwd, args + cots, max(1, reps // 2))
+    results[name] = res
+  return results
+
+
+def run_reference(x):
+  """kda_chunk in fp32 on the bf16-rounded inputs (the bf16 kernels' exact target)."""
+  up = lambda n: jnp.asarray(jnp.asarray(x[n], jnp.bfloat16), jnp.float32)
+  args = [up(n) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(x["h0"])]
+  cots = [up("do"), jnp.asarray(x["dht"])]
+  _, fwd_bwd = jax_fns(kda_chunk)
+  (o, st), grads = fwd_bwd(*args, *cots)
+  return {n: np.asarray(a) for n, a in zip(NAMES, [o, st, *grads])}
+
+
+def run_fla(x, reps):
+  import torch  # noqa: PLC0415
+  import triton  # noqa: PLC0415
+  from fla.ops.kda import chunk_kda  # noqa: PLC0415
+  dev = "cuda"
+  tb = lambda n: torch.tensor(x[n], device=dev).to(torch.bfloat16)
+  q, k, v, g, beta = (tb(n).requires_grad_() for n in ("q", "k", "v", "g", "beta"))
+  h0 = torch.tensor(x["h0"], device=dev).requires_grad_()
+  do, dht = tb("do"), torch.tensor(x["dht"], device=dev)
+  leaves = [q, k, v, g, beta, h0]
+
+  def fwd():
+    return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                     safe_gate=True, lower_bound=-5.0)
+
+  def fwd_bwd():
+    o, ht = fwd()
+    torch.autograd.backward((o, ht), (do, dht))
+    return o, ht
+
+  for t in leaves:
+    t.grad = None
+  o, ht = fwd_bwd()
+  res = dict(zip(NAMES, [o, ht] + [t.grad for t in leaves]))
+  res = {n: a.detach().float().cpu().numpy() for n, a in res.items()}
+  with torch.no_grad():
+    res["fwd_ms"] = triton.testing.do_bench(fwd, warmup=25, rep=100 * reps // 20,
+                                            return_mode="median")
+  res["fwd_bwd_ms"] = triton.testing.do_bench(fwd_bwd, warmup=25, rep=200 * reps // 20,
+                                              grad_to_none=leaves, return_mode="median")
+  return res
+
+
+def breakdown(shape, variants, reps, interpret=False):
+  """Times of the pieces at one shape: prep kernel (per tuning variant), rec_fwd, rec_bwd,
+  and the XLA prep's vjp used by the backward."""
+  import dataclasses  # noqa: PLC0415
+  from pallas_kernels.kda import pallas as P  # noqa: PLC0415
+  B, T, H, D = shape
+  x = make_inputs(0, B, T, H, D)
+  bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+  cfg, args = P.kernel_inputs(*(bf(n) for n in ("q", "k", "v", "g", "beta")), scale=None,
+                              initial_state=jnp.asarray(x["h0"]), segment_ids=None,
+                              chunk_size=64, sub_chunk_size=16, interpret=interpret,
+                              platform=None, block_v=64, save_states=True)
+  q, k, v, g, beta, st0, *masks = args
+  out = {}
+  for name, kw in variants.items():
+    c = dataclasses.replace(cfg, **kw)
+    f = jax.jit(lambda *a, c=c: P.prep_pallas(c, *a))
+    out[f"prep[{name}]"] = time_jax(f, (q, k, v, g, beta, *masks), reps)
+  prep = jax.jit(lambda *a: P.prep_pallas(cfg, *a))(q, k, v, g, beta, *masks)
+  fwd = jax.jit(lambda *a: P.rec_fwd(cfg, *a, jnp.bfloat16, True))
+  out["rec_fwd"] = time_jax(fwd, (*prep, st0), reps)
+  _, _, states = fwd(*prep, st0)
+  do = jnp.asarray(x["do"], jnp.bfloat16).swapaxes(1, 2)
+  dst = jnp.swapaxes(jnp.asarray(x["dht"]), -1, -2)
+  bwd = jax.jit(lambda *a: P.rec_bwd(cfg, *a))
+  out["rec_bwd"] = time_jax(bwd, (*prep, states, do, dst), reps)
+  cots = tuple(jnp.ones(p.shape, jnp.float32) for p in prep)
+
+  def xla_vjp(*a):
+    _, vjp = jax.vjp(lambda *y: P.prep_xla(cfg, *y, *masks), *a)
+    return vjp(cots)
+
+  out["prep_xla_vjp"] = time_jax(jax.jit(xla_vjp), (q, k, v, g, beta), reps)
+  for n, t in out.items():
+    print(f"  {n}: {t:.3f} ms", flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--shapes", nargs="+", default=["8,4096,16,128"])
+  p.add_argument("--peer", default="fla", choices=["fla", "none"])
+  p.add_argument("--reference", action="store_true", help="also the fp32 chunked form")
+  p.add_argument("--variants", default="save",
+                 help="comma list of save, recompute, bv32, bv128, c32, c16")
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+  p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU)")
+  p.add_argument("--breakdown", action="store_true", help="time the pieces (GPU)")
+  p.add_argument("--prep", default="", help="prep tunings for --breakdown: w8:tf32x3,w4:tf32")
+  a = p.parse_args()
+  known = {"save": dict(save_states=True), "recompute": dict(save_states=False),
+           "bv32": dict(block_v=32), "bv128": dict(block_v=128), "c32": dict(chunk_size=32),
+           "c16": dict(chunk_size=16)}
+  variants = {n: dict(known[n], interpret=a.interpret) for n in a.variants.split(",")}
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  if a.breakdown:
+    preps = {}
+    for item in a.prep.split(","):
+      w, prec = item.split(":")
+      preps[item] = dict(prep_warps=int(w[1:]), prep_precision=prec)
+    for shape in a.shapes:
+      print(shape, flush=True)
+      breakdown(tuple(map(int, shape.split(","))), preps, a.reps, a.interpret)
+    return
+  rows, dump = [], {}
+  for shape in a.shapes:
+    B, T, H, D = map(int, shape.split(","))
+    x = make_inputs(0, B, T, H, D)
+    t0 = time.time()
+    impls = {f"ours[{n}]": r for n, r in run_ours(x, variants, a.reps).items()}
+    print(f"{shape}: ours done ({time.time() - t0:.0f} s): " + ", ".join(
+        f"{n} fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms"
+        for n, r in impls.items()), flush=True)
+    if a.peer == "fla":
+      t0 = time.time()
+      impls["fla"] = r = run_fla(x, a.reps)
+      print(f"{shape}: fla done ({time.time() - t0:.0f} s): fwd {r['fwd_ms']:.2f} ms, "
+            f"fwd+bwd {r['fwd_bwd_ms']:.2f} ms", flush=True)
+    refs = {n: r for n, r in impls.items()}
+    if a.reference:
+      refs["ref32"] = run_reference(x)
+    fl = flops(B, T, H, D)
+    for name, r in impls.items():
+      agree = {}
+      for other, ref in refs.items():
+        if other != name and (other == "ref32" or other == "fla" or name == "fla"):
+          agree[other] = {n: rel_rms(r[n], ref[n]) for n in NAMES}
+      rows.append((shape, name, r["fwd_ms"], r["fwd_bwd_ms"], fl / r["fwd_ms"] / 1e9,
+                   3 * fl / r["fwd_bwd_ms"] / 1e9, agree))
+      dump[f"{shape} {name}"] = dict(fwd_ms=r["fwd_ms"], fwd_bwd_ms=r["fwd_bwd_ms"],
+                                     agree=agree)
+      for other, errs in agree.items():
+        bad = [n for n in NAMES if not errs[n] < TOL[n]]
+        print(f"  {name} vs {other}: " + " ".join(f"{n} {errs[n]:.1e}" for n in NAMES)
+              + (f"  OVER TOLERANCE: {bad}" if bad else "  (within fla's bf16 tolerances)"))
+    with open(os.path.join(a.out, "kda_bench.json"), "w") as f:
+      json.dump(dump, f, indent=1)
+  print("\n| B, T, H, D | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
+  print("|---|---|---|---|---|---|")
+  for shape, name, f_ms, fb_ms, f_tf, fb_tf, _ in rows:
+    print(f"| {shape} | {name} | {f_ms:.2f} | {fb_ms:.2f} | {f_tf:.0f} | {fb_tf:.0f} |")
+
+
+if __name__ == "__main__":
+  main()

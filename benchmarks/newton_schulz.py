@@ -1,0 +1,172 @@
+"""Newton-Schulz (5 quintic steps, bf16) on one GPU: our kernel vs plain XLA vs optax.
+
+For each batch x (m x n): random bf16 blocks (timed calls rotate through input sets whose
+total exceeds the L2 cache), median time of each path, the rate of the standard
+form's FLOPs (the ANCHORS convention), the bandwidth of one read and one write of x (the
+least traffic any path can have), and each path's relative Frobenius error against the
+float32 reference (`newton_schulz_reference`) on the same bf16 input.
+
+Paths: "auto" (what `newton_schulz` picks), "xla" (the standard form in bf16, as optax runs
+it; each matmul accumulates in float32), "optax" (`optax.contrib`'s
+`orthogonalize_via_newton_schulz`, the head axis a batch axis), "gram_xla" (the Gram form in
+plain XLA) and, with --variants, tuning variants of the GPU kernel. For short-wide blocks
+"auto" is our kernel; for the others it is "xla".
+
+Run on the H200 (--check first compares the forced kernel with the reference on odd shapes,
+float32 and bf16; --variants adds kernel tuning variants for the per-head shape):
+    python3 benchmarks/newton_schulz.py --check --out $OUT/newton_schulz.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.newton_schulz import (COEFFS, newton_schulz, newton_schulz_gpu,
+                                          newton_schulz_reference, uses_gram_kernel)
+
+SHAPES = ((96, 128, 7168), (64, 1536, 2048), (1, 4096, 16384))
+L2_BYTES = 50 * 2**20
+COPY_TBPS = 4.27  # ANCHORS: measured elementwise read + write on the H200
+
+
+def optax_ns(x):
+  from optax import contrib  # noqa: PLC0415
+  dims = contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)  # axis 0: batch
+  return contrib._muon.orthogonalize_via_newton_schulz(x, jnp.asarray(COEFFS), 5, eps=1e-7,
+                                                       dimension_numbers=dims)
+
+
+def paths(shape, variants):
+  """name -> function of x [B, m, n]."""
+  out = {
+      "xla": functools.partial(newton_schulz, backend="xla"),
+      "auto": functools.partial(newton_schulz, backend="auto"),
+      "optax": optax_ns,
+  }
+  if min(shape[1:]) <= 128:  # (the Gram form in XLA is 2-4x slower than XLA for the others)
+    out["gram_xla"] = functools.partial(newton_schulz, backend="gram_xla")
+    if variants:
+      P = jax.lax.Precision
+      for name, kw in {
+          "pallas iterate=kernel": dict(iterate="kernel"),
+          "pallas iterate=xla": dict(iterate="xla"),
+          "pallas iterate=fused w16": dict(iterate="fused", iterate_warps=16),
+          "pallas iterate=fused tf32": dict(iterate="fused", iterate_precision=P.DEFAULT),
+      }.items():
+        out[name] = functools.partial(newton_schulz_gpu, **kw)
+  return out
+
+
+def flops(B, m, n):
+  """Standard-form FLOPs of 5 steps: X X^T, A A and (bA + cAA) X per step."""
+  m, n = min(m, n), max(m, n)
+  return 5 * B * (4 * m * m * n + 2 * m ** 3)
+
+
+def rel(a, b):
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def time_ms(fn, inputs):
+  """Median over 7 groups of back-to-back calls (inputs rotated; ~30 ms per group), in ms."""
+  jax.block_until_ready(fn(inputs[0]))
+  t = time.perf_counter()
+  jax.block_until_ready(fn(inputs[1]))
+  reps = int(np.clip(0.03 / (time.perf_counter() - t), 3, 300))
+  times = []
+  for _ in range(7):
+    t = time.perf_counter()
+    for i in range(reps):
+      y = fn(inputs[i % len(inputs)])
+    jax.block_until_ready(y)
+    times.append((time.perf_counter() - t) / reps * 1e3)
+  return float(np.median(times)), float(np.min(times)), float(np.max(times))
+
+
+def check_kernel():
+  """The forced kernel vs the reference on awkward shapes, on this device (float32 and bf16;
+  ragged batch counts, m > n, n off the tile); prints the worst errors and returns True if
+  every one is under the tests' tolerances (1e-5 float32, 1e-2 bf16)."""
+  ok = True
+  fns = {"pallas": functools.partial(newton_schulz, backend="pallas")}
+  if jax.default_backend() == "gpu":
+    fns["fused"] = functools.partial(newton_schulz_gpu, iterate="fused")
+  for shape in ((3, 128, 7168), (5, 40, 300), (2, 2, 700, 64), (7, 16, 1000)):
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
+      x = jax.random.normal(jax.random.key(len(shape) + shape[-1]), shape, dtype)
+      ref = newton_schulz_reference(x)
+      for name, f in fns.items():
+        out = jax.jit(f)(x)
+        err = rel(out, ref)
+        finite = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+        ok &= err < tol and finite and out.shape == x.shape and out.dtype == x.dtype
+        print(f"check {name} {shape} {jnp.dtype(dtype).name}: err {err:.2e} (tol {tol:.0e}), "
+              f"finite {finite}", flush=True)
+  return ok
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
+  ap.add_argument("--variants", action="store_true", help="also time GPU kernel variants")
+  ap.add_argument("--only", nargs="*", help="time only these paths")
+  ap.add_argument("--out", help="also write the markdown table here")
+  ap.add_argument("--check", action="store_true", help="first check the kernel on odd shapes")
+  args = ap.parse_args()
+  if args.check:
+    print("kernel checks passed" if check_kernel() else "KERNEL CHECKS FAILED", flush=True)
+
+  dev = jax.devices()[0]
+  lines = [f"Newton-Schulz, 5 steps, bf16 in/out; {datetime.date.today()}, {dev.device_kind}, "
+           f"jax {jax.__version__}. Median of 7 groups of back-to-back calls over rotated "
+           "inputs. TFLOP/s: standard-form FLOPs / time; GB/s: (read x + write x) / time. "
+           "err: relative Frobenius error vs the float32 reference on the same input.", "",
+           "| batch x (m x n) | path | median ms (min-max) | vs xla | TFLOP/s | GB/s | err |",
+           "|---|---|---|---|---|---|---|"]
+  for spec in args.shapes:
+    B, m, n = map(int, spec.split(","))
+    nbytes = B * m * n * 2
+    sets = max(2, -(-2 * L2_BYTES // nbytes))
+    keys = jax.random.split(jax.random.key(0), sets)
+    inputs = [jax.random.normal(k, (B, m, n), jnp.bfloat16) for k in keys]
+    ref = jax.jit(newton_schulz_reference)(inputs[0])
+    fns = paths((B, m, n), args.variants)
+    base = None
+    print(f"# {B} x ({m} x {n}): auto uses the Gram kernel: {uses_gram_kernel((m, n))}; "
+          f"copy floor (read + write) {2 * nbytes / COPY_TBPS / 1e9:.3f} ms", flush=True)
+    for name, f in fns.items():
+      if args.only and name not in args.only:
+        continue
+      fn = jax.jit(f)
+      try:
+        err = rel(fn(inputs[0]), ref)
+        med, lo, hi = time_ms(fn, inputs)
+      except Exception as e:  # noqa: BLE001  (report a failing path, time the others)
+        print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        lines.append(f"| {B} x ({m} x {n}) | {name} | failed: {type(e).__name__} | | | | |")
+        continue
+      if name == "xla":
+        base = med
+      speed = f"{base / med:.2f}x" if base else ""
+      row = (f"| {B} x ({m} x {n}) | {name} | {med:.3f} ({lo:.3f}-{hi:.3f}) | {speed} | "
+             f"{flops(B, m, n) / med / 1e9:.0f} | {2 * nbytes / med / 1e6:.0f} | {err:.1e} |")
+      print(row, flush=True)
+      lines.append(row)
+    del inputs, ref
+  table = "\n".join(lines)
+  print("\n" + table)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  main()

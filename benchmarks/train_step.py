@@ -1,0 +1,119 @@
+"""The train step and the optimizer step of one config, timed on one device.
+
+  python benchmarks/train_step.py --config=experiments/k3_small.py
+  python benchmarks/train_step.py --config=experiments/k3_small.py --variants=muon:auto,adamw
+
+Issue 3 asks that the optimizer step (update + QK-Clip + apply) stays under 5% of the
+train step (forward, backward, optimizer, Quantile Balancing). The train step is compiled
+and timed once, with the config's optimizer; then the optimizer step alone is timed for
+each variant ("muon:<ns_backend>" or "adamw") on random gradients. Synthetic tokens (one
+document per row) keep the data pipeline out of the numbers. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+from flax import nnx
+
+from k3jax import cli, optim
+from k3jax import config as k3config
+from k3jax import flops
+from k3jax.model import K3Model
+from k3jax.steps import make_steps
+
+_VARIANTS = flags.DEFINE_list("variants", ["muon:auto", "muon:xla", "adamw"],
+                              "optimizer steps to time: muon:<ns_backend> or adamw")
+_REPS = flags.DEFINE_integer("reps", 10, "timed repetitions (after 2 warm-up runs)")
+
+
+def timed(fn, *args, reps: int) -> tuple[float, object]:
+  """Median seconds per call of fn(*args) -> (time, last output); args are not donated."""
+  out = None
+  for _ in range(2):
+    out = jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times)), out
+
+
+def variant_config(cfg, variant: str):
+  cfg = cfg.copy_and_resolve_references()
+  name, _, backend = variant.partition(":")
+  with cfg.unlocked():
+    cfg.optimizer.name = name
+    if backend:
+      cfg.optimizer.muon.ns_backend = backend
+  return k3config.validate(cfg)
+
+
+def main(argv):
+  del argv
+  cfg = k3config.validate(cli.CONFIG.value)
+  t = cfg.train
+  dev = jax.devices()[0]
+  print(f"# {cfg.model.num_layers} layers, d {cfg.model.d_model}; batch {t.global_batch} x "
+        f"{t.seq_len}; {dev.device_kind}; jax {jax.__version__}; "
+        f"{datetime.date.today().isoformat()}", flush=True)
+
+  abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
+  graphdef, abs_params, _ = nnx.split(abstract, nnx.Param, ...)
+
+  @jax.jit
+  def init():
+    _, params, rest = nnx.split(K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
+    return nnx.as_pure(params), nnx.as_pure(rest)
+
+  params, rest = init()
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1))
+  batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
+           "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
+           "segment_ids": jnp.ones((t.global_batch, t.seq_len), jnp.int32),
+           "weights": jnp.ones((t.global_batch, t.seq_len), jnp.float32)}
+
+  tx, _ = optim.make_optimizer(cfg, abs_params)
+  print(f"# optimizer: {optim.describe(cfg, abs_params)}", flush=True)
+  train_step, _ = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau)
+  train_step = jax.jit(train_step)
+  opt_state = jax.jit(tx.init)(params)
+  t0 = time.perf_counter()
+  train_step.lower(params, rest, opt_state, batch).compile()
+  print(f"# train step compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+  step_time, out = timed(train_step, params, rest, opt_state, batch, reps=_REPS.value)
+  loss = float(out[3]["loss"])
+  del out, opt_state
+  tokens_per_s = t.global_batch * t.seq_len / step_time
+  fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
+  peak = flops.peak_flops(dev)
+  mfu = f"{flops.mfu(tokens_per_s, fpt, peak):.1%}" if peak else "n/a"
+  print(f"\n| train step ({cfg.optimizer.name}) | {step_time * 1e3:.1f} ms | "
+        f"{tokens_per_s:,.0f} tok/s | MFU {mfu} | loss {loss:.3f} |", flush=True)
+
+  print("\n| optimizer step | time | share of the train step |\n|---|---|---|")
+  grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
+  for variant in _VARIANTS.value:
+    vcfg = variant_config(cfg, variant)
+    vtx, _ = optim.make_optimizer(vcfg, abs_params)
+
+    def opt_step(params, opt_state, grads, vtx=vtx):
+      updates, opt_state = vtx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    state = jax.jit(vtx.init)(params)
+    secs, _ = timed(jax.jit(opt_step), params, state, grads, reps=_REPS.value)
+    print(f"| {variant} | {secs * 1e3:.2f} ms | {secs / step_time:.1%} |", flush=True)
+    del state
+
+
+if __name__ == "__main__":
+  app.run(main)

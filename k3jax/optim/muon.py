@@ -1,0 +1,216 @@
+"""Per-head Muon (K3_SPEC 5): momentum, Newton-Schulz per block, RMS-matched scale.
+
+For every matrix parameter W (gradient G), with beta = 0.95:
+
+    M <- beta M + G;   U = G + beta M (Nesterov) or M
+    O = NS5(U) per orthogonalized block;  update = -lr (0.2 sqrt(max(fan_in, fan_out)) O + wd W)
+
+The block layout comes from the parameter's own metadata (`k3jax.model.layers`): each
+axis has a role, "in" / "out" (the matrix' sides), "expert" (one block per expert),
+"head" (one block per head under per-head Muon, an output axis otherwise); stacked
+layer axes (logical name "layers") are always a batch of blocks. So KDA q/k/v and MLA
+W_qb/W_kvb are orthogonalized head by head, expert stacks expert by expert, everything
+else as a whole matrix, and no parameter name is ever matched.
+
+Blocks are processed as one batched array per parameter, [*batch, fan_in, fan_out], so
+when the batch axes (layers, experts, heads) are sharded each device orthogonalizes the
+blocks it holds.
+
+Parameters without Muon metadata (embeddings, the LM head, norms, 1-D gates, AttnRes
+queries, convolutions) and, unless `optimizer.muon.router == "muon"`, the MoE router get
+AdamW with the same learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from k3jax.optim.param_meta import STACKED_AXES, axis_names, is_variable
+from pallas_kernels.newton_schulz import newton_schulz
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+  """How one parameter of `shape` maps to a batch of [fan_in, fan_out] Muon blocks."""
+  shape: tuple[int, ...]
+  perm: tuple[int, ...]       # axis order (batch..., in..., out...)
+  batch: tuple[int, ...]      # the batch-of-blocks shape
+  fan_in: int
+  fan_out: int
+
+  @property
+  def scale(self) -> float:
+    """0.2 sqrt(max(fan_in, fan_out)) / 0.2: the RMS-matching factor without rms_scale."""
+    return math.sqrt(max(self.fan_in, self.fan_out))
+
+  def to_blocks(self, x: jax.Array) -> jax.Array:
+    """[*shape] -> [*batch, fan_in, fan_out]."""
+    return jnp.transpose(x, self.perm).reshape(*self.batch, self.fan_in, self.fan_out)
+
+  def from_blocks(self, y: jax.Array) -> jax.Array:
+    """[*batch, fan_in, fan_out] -> [*shape]."""
+    permuted = tuple(self.shape[a] for a in self.perm)
+    return jnp.transpose(y.reshape(permuted), _inverse(self.perm))
+
+  def block_spec(self, spec: PartitionSpec) -> PartitionSpec:
+    """The sharding of the blocks of a parameter sharded as `spec`: batch axes keep their
+    mesh axes (each device orthogonalizes the blocks it holds); fan-in and fan-out are
+    whole (a block sharded inside, e.g. by FSDP, is gathered for its Newton-Schulz)."""
+    spec = tuple(spec) + (None,) * (len(self.shape) - len(spec))
+    return PartitionSpec(*(spec[a] for a in self.perm[:len(self.batch)]), None, None)
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+  inv = [0] * len(perm)
+  for i, p in enumerate(perm):
+    inv[p] = i
+  return tuple(inv)
+
+
+def block_layout(var: nnx.Variable, *, per_head: bool) -> BlockLayout | None:
+  """The Muon block layout of a parameter, or None if it is not a Muon matrix."""
+  roles = var.get_metadata().get("muon_roles")
+  if not var.get_metadata().get("muon") or roles is None:
+    return None
+  names = axis_names(var) or (None,) * len(var.shape)
+  shape = tuple(var.shape)
+  stacked = [i for i, n in enumerate(names) if n in STACKED_AXES]
+  own = [i for i in range(len(shape)) if i not in stacked]
+  if len(own) != len(roles):
+    raise ValueError(f"parameter of shape {shape} (axes {names}) has Muon roles {roles}: "
+                     "one role per axis that is not a stacked layer axis")
+  head_role = "batch" if per_head else "out"
+  role = dict(zip(own, (head_role if r == "head" else "batch" if r == "expert" else r
+                        for r in roles)))
+  role.update({i: "batch" for i in stacked})
+  batch = tuple(i for i in range(len(shape)) if role[i] == "batch")
+  ins = tuple(i for i in range(len(shape)) if role[i] == "in")
+  outs = tuple(i for i in range(len(shape)) if role[i] == "out")
+  return BlockLayout(shape=shape, perm=batch + ins + outs,
+                     batch=tuple(shape[i] for i in batch),
+                     fan_in=math.prod(shape[i] for i in ins),
+                     fan_out=math.prod(shape[i] for i in outs))
+
+
+def muon_labels(params: Any, *, router: str = "adamw") -> Any:
+  """'muon' or 'adamw' per leaf of the pure state `nnx.as_pure(params)`.
+
+  params: `nnx.state(model, nnx.Param)` (concrete or abstract: only metadata is read).
+  router: "adamw" or "muon", where the MoE router goes (K3_SPEC 5 leaves it open).
+  """
+  def label(var):
+    kind = var.get_metadata().get("muon")
+    if kind == "matrix" or (kind == "router" and router == "muon"):
+      return "muon"
+    return "adamw"
+
+  return jax.tree.map(label, params, is_leaf=is_variable)
+
+
+def block_layouts(params: Any, *, per_head: bool) -> Any:
+  """BlockLayout (or None) per leaf of the pure state, from the parameters' metadata."""
+  return jax.tree.map(lambda v: block_layout(v, per_head=per_head), params, is_leaf=is_variable)
+
+
+class MuonState(NamedTuple):
+  momentum: Any   # like the Muon parameters, float32
+
+
+def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
+                  ns_steps: int = 5, ns_coeffs: tuple[float, float, float] =
+                  (3.4445, -4.7750, 2.0315), rms_scale: float = 0.2, eps: float = 1e-7,
+                  ns_dtype: Any = jnp.bfloat16, ns_backend: str = "auto",
+                  mesh: Mesh | None = None, specs: Any = None
+                  ) -> optax.GradientTransformation:
+  """Muon's direction: momentum, per-block Newton-Schulz, 0.2 sqrt(max fan) per block.
+
+  layouts: a pytree with a BlockLayout for every leaf this transformation sees (a prefix
+  of the update tree is not allowed; MaskedNode leaves of `optax.partition` are skipped).
+  mesh, specs: where the parameters live (specs: a PartitionSpec per leaf, like layouts).
+    Newton-Schulz then runs under `shard_map` on each device's own blocks, which a Pallas
+    kernel (one opaque call, not partitionable by XLA) needs to stay sharded.
+  The result is the update before learning rate and weight decay.
+  """
+  def init(params):
+    return MuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+  def orthogonalize(blocks, spec):
+    ns = functools.partial(newton_schulz, steps=ns_steps, coeffs=ns_coeffs, eps=eps,
+                           backend=ns_backend)
+    if mesh is None or spec is None or not any(spec):
+      return ns(blocks)
+    return jax.shard_map(ns, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(blocks)
+
+  def leaf(g, m, layout, spec):
+    """One parameter: (update, new momentum). g may be an nnx.Variable (split states)."""
+    if layout is None or not isinstance(layout, BlockLayout):
+      raise ValueError(f"a parameter of shape {g.shape} reached Muon without a block layout")
+    gv, mv = _unwrap(g).astype(jnp.float32), _unwrap(m)
+    mv = beta * mv + gv
+    u = gv + beta * mv if nesterov else mv
+    blocks = layout.to_blocks(u).astype(ns_dtype)                # [*batch, fan_in, fan_out]
+    o = orthogonalize(blocks, None if spec is None else layout.block_spec(spec))
+    o = layout.from_blocks(o.astype(jnp.float32)) * (rms_scale * layout.scale)
+    return _rewrap(g, o.astype(_unwrap(g).dtype)), _rewrap(m, mv)
+
+  def update(grads, state, params=None):
+    del params
+    flat, treedef = jax.tree.flatten(grads, is_leaf=is_variable)
+    leaf_specs = [None] * len(flat) if specs is None else treedef.flatten_up_to(specs)
+    done = [leaf(g, m, lay, spec) for g, m, lay, spec in
+            zip(flat, treedef.flatten_up_to(state.momentum), treedef.flatten_up_to(layouts),
+                leaf_specs)]
+    return (jax.tree.unflatten(treedef, [u for u, _ in done]),
+            MuonState(jax.tree.unflatten(treedef, [m for _, m in done])))
+
+  return optax.GradientTransformation(init, update)
+
+
+def _unwrap(x):
+  return x.get_value() if is_variable(x) else x
+
+
+def _rewrap(like, value):
+  return like.replace(value) if is_variable(like) else value
+
+
+def muon(cfg: ml_collections.ConfigDict, schedule: optax.Schedule, params: Any,
+         decay_mask: Any, *, mesh: Mesh | None = None, param_specs: Any = None
+         ) -> optax.GradientTransformation:
+  """Per-head Muon for the matrices, AdamW for the rest, one schedule (`cfg.optimizer`).
+
+  params: `nnx.state(model, nnx.Param)` with the model's metadata (abstract is enough).
+  decay_mask: bools like the pure state: where decoupled weight decay applies.
+  mesh, param_specs: the parameters' mesh and PartitionSpecs (like the pure state), if
+    they are sharded (see `scale_by_muon`).
+  """
+  o, mu = cfg.optimizer, cfg.optimizer.muon
+  labels = muon_labels(params, router=mu.router)
+  layouts = block_layouts(params, per_head=mu.per_head)
+  is_muon = jax.tree.map(lambda lab: lab == "muon", labels)
+  rule = scale_by_muon(
+      _only(layouts, is_muon), beta=mu.momentum, nesterov=mu.nesterov,
+      ns_steps=mu.ns_steps, ns_coeffs=tuple(mu.ns_coeffs), rms_scale=mu.rms_scale,
+      eps=mu.ns_eps, ns_dtype=jnp.dtype(mu.ns_dtype), ns_backend=mu.ns_backend, mesh=mesh,
+      specs=None if param_specs is None else _only(param_specs, is_muon))
+  muon_tx = optax.chain(rule, optax.add_decayed_weights(o.weight_decay, _only(decay_mask, is_muon)),
+                        optax.scale_by_learning_rate(schedule))
+  adamw_tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                         mask=_only(decay_mask, jax.tree.map(lambda m: not m, is_muon)))
+  return optax.partition({"muon": muon_tx, "adamw": adamw_tx}, labels)
+
+
+def _only(tree: Any, keep: Any) -> Any:
+  """`tree` with the leaves where `keep` is False replaced by optax's MaskedNode, matching
+  the masked update trees `optax.partition` hands each inner transformation."""
+  return jax.tree.map(lambda x, k: x if k else optax.MaskedNode(), tree, keep,
+                      is_leaf=lambda x: x is None or isinstance(x, (BlockLayout, PartitionSpec)))

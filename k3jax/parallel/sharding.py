@@ -1,0 +1,83 @@
+"""Logical-axis rules and the shardings of parameters, optimizer state and batches.
+
+The model names axes (`k3jax.model.axes`); RULES map them to mesh axes. A mesh axis is
+used once per array (first come, first served), so an activation [batch, seq, embed]
+puts fsdp on `batch` while a weight [embed, mlp] puts it on `embed`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from k3jax.config import ConfigError
+from k3jax.model.axes import logical_to_spec
+
+RULES = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("embed", "fsdp"),       # weights: FSDP shards the model width
+    ("latent", "fsdp"),      # LatentMoE weights, the same way
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("experts", "expert"),
+)
+
+
+def _names(var: nnx.Variable) -> tuple:
+  names = var.get_metadata().get("out_sharding")
+  return tuple(names) if names is not None else (None,) * len(var.shape)
+
+
+def param_specs(state: Any, rules=RULES) -> Any:
+  """A PartitionSpec per leaf of `nnx.as_pure(state)` from its logical axis names."""
+  return jax.tree.map(lambda v: logical_to_spec(_names(v), rules), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def check_divisible(state: Any, mesh: Mesh, rules=RULES) -> None:
+  """ConfigError naming the first parameter dimension its mesh axes do not divide."""
+  for path, var in jax.tree_util.tree_leaves_with_path(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    spec = logical_to_spec(_names(var), rules)
+    for dim, (size, axes, name) in enumerate(zip(var.shape, spec, _names(var))):
+      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+      ways = 1
+      for a in axes:
+        ways *= mesh.shape[a]
+      if size % ways:
+        raise ConfigError(
+            f"config.mesh: {jax.tree_util.keystr(path)} has {size} along '{name}' (dim {dim}), "
+            f"which does not split over mesh axes {axes} of size {ways}")
+
+
+def state_shardings(mesh: Mesh, tx: optax.GradientTransformation, abs_vars: Any,
+                    rules=RULES) -> tuple[Any, Any]:
+  """NamedShardings for (pure params, optimizer state) of the parameter state `abs_vars`
+  (Variables with axis names; abstract is enough). Every copy of the parameter tree inside
+  the optimizer state (moments, momentum) is sharded like the parameters; the rest of it
+  (step counts) is replicated."""
+  params = shardings(mesh, abs_vars, rules)
+  abs_opt = jax.eval_shape(tx.init, nnx.as_pure(abs_vars))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  masked = optax.MaskedNode
+  opt = optax.tree_map_params(
+      tx, lambda p, s: p if isinstance(p, masked) else s, abs_opt, params,
+      transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, (NamedSharding, masked)))
+  return params, opt
+
+
+def shardings(mesh: Mesh, state: Any, rules=RULES) -> Any:
+  """A NamedSharding per leaf of `nnx.as_pure(state)` (any Variable state)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(state, rules),
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def batch_spec(rules=RULES) -> PartitionSpec:
+  """The sharding of [batch, seq] arrays."""
+  return logical_to_spec(("batch", "seq"), rules)

@@ -1,0 +1,563 @@
+"""Chunked Kimi Delta Attention as Pallas kernels, forward and backward (K3_SPEC 2.1).
+
+Three kernels, one `jax.custom_vjp`:
+  prep     grid (B, H, N), one chunk per program: decays, scores and the UT transform
+           (`tile.chunk_prep`), written out as w, u, A_qk, q_s, k_s and the chunk decay.
+  rec_fwd  the inter-chunk recurrence, fp32 state (transposed, [BV, K]) per (b, h, V block):
+           v_new = u - w S, o = q_s S + A_qk v_new, S <- dec S + k_s^T v_new. Saves the
+           state entering each chunk for the backward (or the backward recomputes them).
+  rec_bwd  the same, chunks in reverse: the state's cotangent carried back, the cotangents
+           of w, u, A_qk, q_s, k_s and dec written out (K-side ones as partial sums over
+           the V blocks, added up outside).
+The backward of `prep` is `jax.vjp` of the same tile maths vmapped under XLA (recomputed,
+not stored); its UT inverse has the analytic gradient. Columns of V are independent in the
+delta rule, so V blocks parallelize the recurrence at no extra work.
+
+GPU backend: Pallas Triton. Mosaic GPU (wgmma, TMA) is the faster road on the H200, but it
+wants warpgroup-shaped tiles staged explicitly through shared memory, and the tile maths
+here (masked 2-D matmuls, reductions, iotas on values) would need rewriting around that
+memory model. Triton is deprecated in JAX 0.11.2 but runs there, lowers for CUDA from a
+CPU-only machine (so tests check the lowering), and its kernel bodies also run in
+interpret mode. On GPU and in interpret mode one program loops over the chunks.
+
+TPU backend: Mosaic, the same tile maths; the recurrences put the chunks on a sequential
+("arbitrary") last grid axis with the state in VMEM scratch, blocks of (64, 128) for the
+MXU, all of V (up to 128) per program. `kda_pallas_sharded` wraps it in shard_map.
+
+Layout: the wrapper moves [B, T, H, D] to [B, H, T, D] (padded to a multiple of the chunk,
+and D to a power of two >= 16): an extra XLA pass over q, k, v, g and o.
+
+Speed (H200, 2026-11-30, benchmarks/results/kda.md): at (8, 4096, 16, 128) the prep kernel
+dominates (latency-bound chains of small matmuls); the recurrence alone runs in 0.63 ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda import tile
+
+F32 = jnp.float32
+LOWER_BOUND = -5.0
+_MAX_EXPONENT = 80.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static settings of one call (hashable: a custom_vjp non-differentiable argument)."""
+  scale: float
+  chunk: int  # C
+  sub: int  # diagonal sub-tile length L
+  block_v: int  # BV
+  mm_dtype: str  # operand dtype of the big matmuls: "bfloat16" or "float32"
+  interpret: bool
+  platform: str  # "gpu", "tpu" or "cpu" (interpret)
+  save_states: bool = True  # False: the backward reruns rec_fwd for the chunk states
+  prep_warps: int = 4  # measured on the H200: 4 warps twice as fast as 8
+  prep_precision: str = "tf32x3"  # GPU fp32 matmuls in prep: "tf32x3", "tf32" or "ieee"
+
+  @property
+  def precision(self):
+    """Precision of float32 matmuls: 3-pass TF32 on GPU tensor cores, else full fp32."""
+    if self.platform == "gpu" and not self.interpret:
+      return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return lax.Precision.HIGHEST
+
+  @property
+  def prep_prec(self):
+    """Precision of the prep kernel's float32 matmuls (tunable on GPU; TF32 alone is too
+    coarse for the cumulative decays)."""
+    if self.platform == "gpu" and not self.interpret:
+      return {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+              "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
+              "ieee": lax.DotAlgorithmPreset.F32_F32_F32}[self.prep_precision]
+    return lax.Precision.HIGHEST
+
+  @property
+  def mm(self):
+    return jnp.dtype(self.mm_dtype)
+
+
+def _call(cfg, kernel, **kw):
+  if cfg.platform == "tpu" and not cfg.interpret:
+    from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+    n = len(kw["grid"])
+    kw["compiler_params"] = pltpu.CompilerParams(dimension_semantics=("parallel",) * n)
+    kw.pop("num_warps", None)
+  elif cfg.platform == "gpu" and not cfg.interpret:
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+    kw["compiler_params"] = plgpu.CompilerParams(num_warps=kw.pop("num_warps", 4),
+                                                 num_stages=1)
+  else:
+    kw.pop("num_warps", None)
+  return pl.pallas_call(kernel, interpret=cfg.interpret, **kw)
+
+
+# ------------------------------------------------------------------------------------- prep
+
+
+def _prep_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_ref, last_ref,
+                 w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, *, cfg):
+  w, u, a, qs, ks, dec = tile.chunk_prep(
+      q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
+      docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
+      mm_dtype=cfg.mm, precision=cfg.prep_prec)
+  for ref, x in ((w_ref, w), (u_ref, u), (a_ref, a), (qs_ref, qs), (ks_ref, ks),
+                 (dec_ref, dec)):
+    ref[...] = x.astype(ref.dtype)
+
+
+def _prep_dtypes(cfg):
+  """Storage dtypes of (w, u, A_qk, q_s, k_s, dec): matmul operands in the operand dtype,
+  u and dec (added to / multiplying fp32 values) in fp32."""
+  mm = cfg.mm
+  return mm, F32, mm, mm, mm, F32
+
+
+def prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
+  """q, k, g [B, H, Tp, K]; v [B, H, Tp, V]; beta [B, H, Tp, 1]; doc_c [B, Tp, 1] int32;
+  doc_r [B, N, 1, C] int32; sees, last [B, Tp, 1]. Returns w, q_s, k_s [B, H, Tp, K],
+  u [B, H, Tp, V], A_qk [B, H, Tp, C], dec [B, H, N, 1, K]."""
+  B, H, Tp, K = q.shape
+  V = v.shape[-1]
+  C = cfg.chunk
+  N = Tp // C
+  tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
+  col = pl.BlockSpec((None, C, 1), lambda b, h, n: (b, n, 0))
+  dtypes = _prep_dtypes(cfg)
+  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), dt)
+               for d, dt in zip((K, V, C, K, K), dtypes)]
+  out_shape.append(jax.ShapeDtypeStruct((B, H, N, 1, K), F32))
+  return _call(
+      cfg, functools.partial(_prep_kernel, cfg=cfg), grid=(B, H, N),
+      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col,
+                pl.BlockSpec((None, None, 1, C), lambda b, h, n: (b, n, 0, 0)), col, col],
+      out_specs=[tok(K), tok(V), tok(C), tok(K), tok(K),
+                 pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))],
+      out_shape=out_shape, num_warps=cfg.prep_warps,
+  )(q, k, v, g, beta, doc_c, doc_r, sees, last)
+
+
+def prep_xla(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
+  """`prep_pallas` as vmapped XLA ops (differentiable); the same shapes in and out, but
+  all outputs float32."""
+  B, H, Tp, K = q.shape
+  C = cfg.chunk
+  N = Tp // C
+  chunks = lambda x: x.reshape(*x.shape[:-2], N, C, x.shape[-1])
+  fn = functools.partial(tile.chunk_prep, scale=cfg.scale, sub=cfg.sub, mm_dtype=cfg.mm,
+                         precision=lax.Precision.HIGHEST, in_kernel=False)
+  per_token, shared = 0, None
+  fn = jax.vmap(fn)  # chunks
+  fn = jax.vmap(fn, in_axes=(per_token,) * 5 + (shared,) * 4)  # heads
+  fn = jax.vmap(fn)  # batch
+  w, u, a, qs, ks, dec = fn(chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta),
+                            chunks(doc_c), doc_r, chunks(sees), chunks(last))
+  flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
+  return flat(w), flat(u), flat(a), flat(qs), flat(ks), dec
+
+
+# -------------------------------------------------------------------------------- recurrence
+
+
+def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
+  """One chunk: (o [C, BV], the next state) from the state st [BV, K] (transposed)."""
+  mm, prec = cfg.mm, cfg.precision
+  v_new = u.astype(F32) - tile.dot(w, st, "nt", prec, mm)  # [C, BV]
+  o = tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, v_new, "nn", prec, mm)
+  return o, st * dec + tile.dot(v_new, ks, "tn", prec, mm)
+
+
+def _bwd_step(cfg, w, u, a, qs, ks, dec, st, do, dst):
+  """One chunk backwards: from the state entering it (st) and the cotangent of the state
+  leaving it (dst), the cotangents du, dA, dq_s, dk_s, dw, ddec (the K-side ones summed
+  over this V block only) and of st."""
+  mm, prec = cfg.mm, cfg.precision
+  v_new = u.astype(F32) - tile.dot(w, st, "nt", prec, mm)  # [C, BV]
+  dv = tile.dot(a, do, "tn", prec, mm) + tile.dot(ks, dst, "nt", prec, mm)  # [C, BV]
+  da = tile.dot(do, v_new, "nt", prec, mm)
+  dqs = tile.dot(do, st, "nn", prec, mm)
+  dks = tile.dot(v_new, dst, "nn", prec, mm)
+  dw = -tile.dot(dv, st, "nn", prec, mm)
+  ddec = jnp.sum(st * dst, axis=0, keepdims=True)
+  dst = dst * dec + tile.dot(do, qs, "tn", prec, mm) - tile.dot(dv, w, "tn", prec, mm)
+  return dv, da, dqs, dks, dw, ddec, dst
+
+
+def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
+                    *states_ref, cfg, n_chunks):
+  """GPU / interpret form: one program per (b, h, V block) loops over the chunks."""
+  C = cfg.chunk
+
+  def body(n, st):  # st: [BV, K] fp32, the state (transposed) entering chunk n
+    rows = pl.ds(pl.multiple_of(n * C, C), C)
+    if states_ref:
+      states_ref[0][n] = st
+    o, st = _fwd_step(cfg, w_ref[rows, :], u_ref[rows, :], a_ref[rows, :], qs_ref[rows, :],
+                      ks_ref[rows, :], dec_ref[n], st)
+    o_ref[rows, :] = o.astype(o_ref.dtype)
+    return st
+
+  st_ref[...] = lax.fori_loop(0, n_chunks, body, st0_ref[...].astype(F32))
+
+
+def _rec_fwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
+                        *rest, cfg, n_chunks):
+  """TPU form: the chunks are the last (sequential) grid axis; the state lives in VMEM."""
+  *states_ref, scratch = rest
+  n = pl.program_id(3)
+
+  @pl.when(n == 0)
+  def _():
+    scratch[...] = st0_ref[...].astype(F32)
+
+  st = scratch[...]
+  if states_ref:
+    states_ref[0][...] = st
+  o, st = _fwd_step(cfg, w_ref[...], u_ref[...], a_ref[...], qs_ref[...], ks_ref[...],
+                    dec_ref[...], st)
+  o_ref[...] = o.astype(o_ref.dtype)
+  scratch[...] = st
+
+  @pl.when(n == n_chunks - 1)
+  def _():
+    st_ref[...] = st
+
+
+def _block_v(cfg, V):
+  if cfg.platform == "tpu":  # lane-dense blocks: all of V, or 128 columns
+    return V if V <= 128 else 128
+  return min(cfg.block_v, V)
+
+
+def _tpu_params():
+  from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+  return pltpu, pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
+  """Returns o [B, H, Tp, V], the final state (transposed) [B, H, V, K] fp32 and, if
+  save_states, the state entering each chunk [B, H, N, V, K] fp32."""
+  B, H, Tp, K = w.shape
+  V = u.shape[-1]
+  N = dec.shape[2]
+  C = cfg.chunk
+  BV = _block_v(cfg, V)
+  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), out_dtype),
+               jax.ShapeDtypeStruct((B, H, V, K), F32)]
+  if save_states:
+    out_shape.append(jax.ShapeDtypeStruct((B, H, N, V, K), F32))
+  args = (w, u, a, qs, ks, dec, st0)
+  if cfg.platform == "tpu":
+    tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, i, n: (b, h, n, 0))
+    vblk = pl.BlockSpec((None, None, C, BV), lambda b, h, i, n: (b, h, n, i))
+    state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
+    out_specs = [vblk, state]
+    if save_states:
+      out_specs.append(pl.BlockSpec((None, None, None, BV, K),
+                                    lambda b, h, i, n: (b, h, n, i, 0)))
+    pltpu, params = _tpu_params()
+    return pl.pallas_call(
+        functools.partial(_rec_fwd_kernel_tpu, cfg=cfg, n_chunks=N),
+        grid=(B, H, V // BV, N),
+        in_specs=[tok(K), vblk, tok(C), tok(K), tok(K),
+                  pl.BlockSpec((None, None, None, 1, K), lambda b, h, i, n: (b, h, n, 0, 0)),
+                  state],
+        out_specs=out_specs, out_shape=out_shape, compiler_params=params,
+        scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
+  full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, i: (b, h, 0, 0))
+  vblk = pl.BlockSpec((None, None, Tp, BV), lambda b, h, i: (b, h, 0, i))
+  state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
+  out_specs = [vblk, state]
+  if save_states:
+    out_specs.append(pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)))
+  return _call(
+      cfg, functools.partial(_rec_fwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
+      in_specs=[full(K), vblk, full(C), full(K), full(K),
+                pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)), state],
+      out_specs=out_specs, out_shape=out_shape, num_warps=4,
+  )(*args)
+
+
+def _rec_bwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, states_ref, do_ref, dst_ref,
+                    du_ref, dw_ref, da_ref, dqs_ref, dks_ref, ddec_ref, dst0_ref, *, cfg,
+                    n_chunks):
+  """GPU / interpret form: one program per (b, h, V block), chunks in reverse."""
+  C = cfg.chunk
+
+  def body(i, dst):  # dst: [BV, K] fp32, cotangent of the state leaving chunk n
+    n = n_chunks - 1 - i
+    rows = pl.ds(pl.multiple_of(n * C, C), C)
+    dv, da, dqs, dks, dw, ddec, dst = _bwd_step(
+        cfg, w_ref[rows, :], u_ref[rows, :], a_ref[rows, :], qs_ref[rows, :], ks_ref[rows, :],
+        dec_ref[n], states_ref[n], do_ref[rows, :], dst)
+    for ref, x in ((du_ref, dv), (da_ref, da), (dqs_ref, dqs), (dks_ref, dks), (dw_ref, dw)):
+      ref[rows, :] = x.astype(ref.dtype)
+    ddec_ref[n] = ddec
+    return dst
+
+  dst0_ref[...] = lax.fori_loop(0, n_chunks, body, dst_ref[...].astype(F32))
+
+
+def _rec_bwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, states_ref, do_ref,
+                        dst_ref, du_ref, dw_ref, da_ref, dqs_ref, dks_ref, ddec_ref, dst0_ref,
+                        scratch, *, cfg, n_chunks):
+  """TPU form: grid step n handles chunk N - 1 - n; the state's cotangent lives in VMEM."""
+  n = pl.program_id(3)
+
+  @pl.when(n == 0)
+  def _():
+    scratch[...] = dst_ref[...].astype(F32)
+
+  dv, da, dqs, dks, dw, ddec, dst = _bwd_step(
+      cfg, w_ref[...], u_ref[...], a_ref[...], qs_ref[...], ks_ref[...], dec_ref[...],
+      states_ref[...], do_ref[...], scratch[...])
+  for ref, x in ((du_ref, dv), (da_ref, da), (dqs_ref, dqs), (dks_ref, dks), (dw_ref, dw),
+                 (ddec_ref, ddec)):
+    ref[...] = x.astype(ref.dtype)
+  scratch[...] = dst
+
+  @pl.when(n == n_chunks - 1)
+  def _():
+    dst0_ref[...] = dst
+
+
+def rec_bwd(cfg, w, u, a, qs, ks, dec, states, do, dst):
+  """Cotangents of rec_fwd's inputs: dw, du, dA, dq_s, dk_s, ddec (fp32, the shapes of
+  w, u, a, qs, ks, dec) and of the initial state [B, H, V, K]."""
+  B, H, Tp, K = w.shape
+  V = u.shape[-1]
+  N = dec.shape[2]
+  C = cfg.chunk
+  BV = _block_v(cfg, V)
+  nv = V // BV
+  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), F32)]
+  out_shape += [jax.ShapeDtypeStruct((nv, B, H, Tp, d), F32) for d in (K, C, K, K)]
+  out_shape += [jax.ShapeDtypeStruct((nv, B, H, N, 1, K), F32),
+                jax.ShapeDtypeStruct((B, H, V, K), F32)]
+  args = (w, u, a, qs, ks, dec, states, do, dst)
+  if cfg.platform == "tpu":
+    r = lambda n: N - 1 - n  # chunks in reverse
+    tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, i, n: (b, h, r(n), 0))
+    vblk = pl.BlockSpec((None, None, C, BV), lambda b, h, i, n: (b, h, r(n), i))
+    state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
+    part = lambda d: pl.BlockSpec((None, None, None, C, d),
+                                  lambda b, h, i, n: (i, b, h, r(n), 0))
+    pltpu, params = _tpu_params()
+    outs = pl.pallas_call(
+        functools.partial(_rec_bwd_kernel_tpu, cfg=cfg, n_chunks=N),
+        grid=(B, H, nv, N),
+        in_specs=[tok(K), vblk, tok(C), tok(K), tok(K),
+                  pl.BlockSpec((None, None, None, 1, K), lambda b, h, i, n: (b, h, r(n), 0, 0)),
+                  pl.BlockSpec((None, None, None, BV, K),
+                               lambda b, h, i, n: (b, h, r(n), i, 0)),
+                  vblk, state],
+        out_specs=[vblk, part(K), part(C), part(K), part(K),
+                   pl.BlockSpec((None, None, None, None, 1, K),
+                                lambda b, h, i, n: (i, b, h, r(n), 0, 0)), state],
+        out_shape=out_shape, compiler_params=params,
+        scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
+  else:
+    full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, i: (b, h, 0, 0))
+    vblk = pl.BlockSpec((None, None, Tp, BV), lambda b, h, i: (b, h, 0, i))
+    state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
+    part = lambda d: pl.BlockSpec((None, None, None, Tp, d), lambda b, h, i: (i, b, h, 0, 0))
+    outs = _call(
+        cfg, functools.partial(_rec_bwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, nv),
+        in_specs=[full(K), vblk, full(C), full(K), full(K),
+                  pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)),
+                  pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)),
+                  vblk, state],
+        out_specs=[vblk, part(K), part(C), part(K), part(K),
+                   pl.BlockSpec((None, None, None, N, 1, K),
+                                lambda b, h, i: (i, b, h, 0, 0, 0)), state],
+        out_shape=out_shape, num_warps=4,
+    )(*args)
+  du, dw, da, dqs, dks, ddec, dst0 = outs
+  return dw.sum(0), du, da.sum(0), dqs.sum(0), dks.sum(0), ddec.sum(0), dst0
+
+
+# ------------------------------------------------------------------------------ custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kda_core(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
+  o, st, _ = _core_fwd_impl(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last, False)
+  return o, st
+
+
+def _core_fwd_impl(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last, save):
+  prep = prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last)
+  outs = rec_fwd(cfg, *prep, st0, q.dtype, save)
+  return outs[0], outs[1], (outs[2] if save else None)
+
+
+def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
+  o, st, states = _core_fwd_impl(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last,
+                                 cfg.save_states)
+  return (o, st), (q, k, v, g, beta, st0, doc_c, doc_r, sees, last, states)
+
+
+def _core_bwd(cfg, res, cots):
+  q, k, v, g, beta, st0, doc_c, doc_r, sees, last, states = res
+  do, dst = cots
+  prep_fn = lambda *x: prep_xla(cfg, *x, doc_c, doc_r, sees, last)
+  prep, prep_vjp = jax.vjp(prep_fn, q, k, v, g, beta)
+  stored = [x.astype(dt) for x, dt in zip(prep, _prep_dtypes(cfg))]
+  if states is None:  # recompute the chunk states
+    states = rec_fwd(cfg, *stored, st0, q.dtype, True)[2]
+  dw, du, da, dqs, dks, ddec, dst0 = rec_bwd(cfg, *stored, states, do, dst)
+  dq, dk, dv, dg, dbeta = prep_vjp((dw, du, da, dqs, dks, ddec))
+  cast = lambda d, x: d.astype(x.dtype)
+  zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), dst0,
+          zero_int(doc_c), zero_int(doc_r), jnp.zeros_like(sees), jnp.zeros_like(last))
+
+
+_kda_core.defvjp(_core_fwd, _core_bwd)
+
+
+# --------------------------------------------------------------------------------- wrapper
+
+
+def _pow2(n, lo=16):
+  return max(lo, 1 << (n - 1).bit_length())
+
+
+def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
+               output_final_state=False, chunk_size=64, sub_chunk_size=16, interpret=False,
+               platform=None, block_v=64, save_states=True, **tuning):
+  """Chunked KDA through the Pallas kernels; same contract as `kda_naive`, for any T.
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] with LOWER_BOUND <= g <= 0;
+      beta: [B, T, H]. bf16 or fp32; bf16 runs the big matmuls on bf16 operands with
+      fp32 accumulation, the state and decays stay fp32 either way.
+    scale, initial_state [B, H, K, V], segment_ids [B, T], output_final_state: as in
+      `kda_naive`.
+    chunk_size: C, a power of two >= 16; sub_chunk_size: L, the diagonal tile length
+      (C % L == 0, |LOWER_BOUND| (L - 1) <= 80).
+    interpret: run the kernels in Pallas interpret mode (any device, CPU included).
+    platform: "gpu" or "tpu"; None: the default backend's.
+    block_v: V columns per program of the recurrence.
+    save_states: keep the state entering each chunk for the backward (else recompute).
+    tuning: further `Config` fields (prep_warps, prep_precision).
+
+  Returns:
+    o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
+  """
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  cfg, args = kernel_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            segment_ids=segment_ids, chunk_size=chunk_size,
+                            sub_chunk_size=sub_chunk_size, interpret=interpret,
+                            platform=platform, block_v=block_v, save_states=save_states,
+                            **tuning)
+  o, st = _kda_core(cfg, *args)
+  o = jnp.swapaxes(o, 1, 2)[:, :T, :, :V]
+  if not output_final_state:
+    return o
+  return o, jnp.swapaxes(st, -1, -2)[:, :, :K, :V]
+
+
+def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size,
+                  sub_chunk_size, interpret, platform, block_v, save_states, **tuning):
+  """(Config, the kernels' inputs in their layout): q, k, g [B, H, Tp, Kp], v [B, H, Tp, Vp],
+  beta [B, H, Tp, 1], the initial state (transposed) [B, H, Vp, Kp], document index
+  [B, Tp, 1] and [B, N, 1, C], and the sees/last masks [B, Tp, 1]."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C, L = chunk_size, sub_chunk_size
+  if C & (C - 1) or C < 16:
+    raise ValueError(f"chunk_size={C} must be a power of two >= 16")
+  if C % L or L & (L - 1):
+    raise ValueError(f"chunk_size={C} is not a multiple of sub_chunk_size={L}, or L is not "
+                     "a power of two")
+  if -LOWER_BOUND * (L - 1) > _MAX_EXPONENT:
+    raise ValueError(f"sub_chunk_size={L} is too long for the gate bound {LOWER_BOUND}")
+  platform = platform or ("cpu" if interpret else jax.default_backend())
+  if platform == "cuda":
+    platform = "gpu"
+  cfg = Config(scale=float(K ** -0.5 if scale is None else scale), chunk=C, sub=L,
+               block_v=block_v, mm_dtype=jnp.dtype(q.dtype).name if q.dtype == jnp.bfloat16
+               else "float32", interpret=interpret, platform=platform,
+               save_states=save_states, **tuning)
+  pad_t = -T % C
+  Tp, N = T + pad_t, (T + pad_t) // C
+  Kp, Vp = _pow2(K), _pow2(V)
+  bv = min(block_v, Vp)
+  if Vp % bv:
+    raise ValueError(f"block_v={block_v} does not divide the padded V={Vp}")
+
+  def heads_major(x, d_pad):  # [B, T, H, D] -> [B, H, Tp, D + d_pad]; zeros change nothing
+    x = jnp.pad(x, [(0, 0), (0, pad_t), (0, 0), (0, d_pad)])
+    return jnp.swapaxes(x, 1, 2)
+
+  dt = q.dtype
+  qh, kh = (heads_major(x.astype(dt), Kp - K) for x in (q, k))
+  vh = heads_major(v.astype(dt), Vp - V)
+  # g and beta keep their own precision (an fp32 gate stays fp32: its sums set the decays).
+  gh = heads_major(g, Kp - K)
+  bh = heads_major(beta[..., None], 0)  # [B, H, Tp, 1]
+
+  doc = _document_index(segment_ids, B, T)
+  doc = jnp.pad(doc, [(0, 0), (0, pad_t)], mode="edge")  # padding joins the last document
+  chunked = doc.reshape(B, N, C)
+  # The state entering a chunk belongs to the document of the token before the chunk.
+  doc_state = jnp.concatenate([chunked[:, :1, 0], chunked[:, :-1, -1]], axis=1)  # [B, N]
+  sees = (chunked == doc_state[..., None]).astype(F32).reshape(B, Tp, 1)
+  last = (chunked == chunked[..., -1:]).astype(F32).reshape(B, Tp, 1)
+  doc_c, doc_r = doc[..., None], chunked[:, :, None, :]
+
+  if initial_state is None:
+    st0 = jnp.zeros((B, H, Vp, Kp), F32)
+  else:
+    st0 = jnp.swapaxes(jnp.asarray(initial_state, F32), -1, -2)
+    st0 = jnp.pad(st0, [(0, 0), (0, 0), (0, Vp - V), (0, Kp - K)])
+  return cfg, (qh, kh, vh, gh, bh, st0, doc_c, doc_r, sees, last)
+
+
+def _document_index(segment_ids, B, T):
+  """[B, T] int32 run index (as chunk.py): +1 wherever the id changes."""
+  if segment_ids is None:
+    return jnp.zeros((B, T), jnp.int32)
+  change = segment_ids[:, 1:] != segment_ids[:, :-1]
+  return jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
+                          jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
+
+
+def kda_pallas_sharded(q, k, v, g, beta, *, mesh, batch_axis=None, head_axis=None,
+                       initial_state=None, segment_ids=None, output_final_state=False,
+                       **kwargs):
+  """`kda_pallas` under `jax.shard_map`: each device runs the kernels on its own slice of
+  the batch (mesh axis or axes `batch_axis`) and heads (`head_axis`); nothing is
+  communicated, since batch rows and heads are independent. kwargs go to `kda_pallas`."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  tok, row, state = P(batch_axis, None, head_axis), P(batch_axis), P(batch_axis, head_axis)
+  args, specs = [q, k, v, g, beta], [tok] * 5
+  if initial_state is not None:
+    args.append(initial_state)
+    specs.append(state)
+  if segment_ids is not None:
+    args.append(segment_ids)
+    specs.append(row)
+  has_h0, has_seg = initial_state is not None, segment_ids is not None
+
+  def local(*a):
+    h0 = a[5] if has_h0 else None
+    seg = a[-1] if has_seg else None
+    return kda_pallas(*a[:5], initial_state=h0, segment_ids=seg,
+                      output_final_state=output_final_state, **kwargs)
+
+  out_specs = (tok, state) if output_final_state else tok
+  # check_vma=False: pallas_call's outputs carry no varying-axes annotation.
+  return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs,
+                       check_vma=False)(*args)

@@ -1,0 +1,203 @@
+"""KDA Pallas kernels (pallas_kernels/kda/pallas.py) in interpret mode against the naive
+recurrence: outputs, final state and every gradient (q, k, v, g, beta, initial state); T not
+a multiple of the chunk, packed documents, bf16 with fla's tolerances, K/V other than 128
+(and not powers of two); the dispatcher's new backends; lowering for CUDA from this CPU.
+
+Interpret mode starts every kernel output as NaN, so an element a kernel never writes fails
+the finiteness checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kda_ops import (DOC_LENGTHS, GRAD_NAMES, cotangents, make_inputs,
+                          packed_segment_ids, rel_rms)
+
+from pallas_kernels.kda import kda, kda_chunk, kda_naive, kda_pallas
+
+RTOL_FP32 = 1e-4  # kernel vs naive, fp32, relative RMS
+# bf16 inputs vs the fp32 naive recurrence on the same (bf16-rounded) values; fla's bounds
+RTOL_BF16 = {"o": 5e-3, "state": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3,
+             "g": 2e-2, "beta": 2e-2}
+interpret = functools.partial(kda_pallas, interpret=True)
+# XLA:CPU at -O0 compiles the interpreted kernels ~3x faster; these shapes run in ms anyway.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def compile_fast(fn, *args):
+  return jax.jit(fn).trace(*args).lower().compile(FAST_COMPILE)
+
+
+def forward_and_grads_compiled(fn, *args):
+  """Compiled (at -O0) map from (q, k, v, g, beta, h0, cot_o, cot_s) to (o, final state)
+  and the gradients of sum(cot_o o) + sum(cot_s S) w.r.t. q, k, v, g, beta, h0."""
+  def run(q, k, v, g, beta, h0, cot_o, cot_s):
+    out, vjp = jax.vjp(lambda *a: fn(*a[:5], initial_state=a[5], output_final_state=True),
+                       q, k, v, g, beta, h0)
+    return out, vjp((cot_o, cot_s))
+  return compile_fast(run, *args)
+
+
+def forward_and_grads(fn, *args):
+  return forward_and_grads_compiled(fn, *args)(*args)
+
+
+def check(out, grads, out_ref, grads_ref, rtol, rows):
+  """Per batch row: finite, and within rtol (a float or a dict by name) of the reference."""
+  names = ("o", "state") + GRAD_NAMES
+  tol = rtol if isinstance(rtol, dict) else dict.fromkeys(names, rtol)
+  for name, a, b in zip(names, (*out, *grads), (*out_ref, *grads_ref)):
+    for row in range(rows):
+      assert np.all(np.isfinite(np.asarray(a[row], np.float32))), (name, row)
+      err = rel_rms(np.asarray(a[row], np.float32), b[row])
+      assert err < tol[name], (name, row, err)
+
+
+def test_kernel_matches_naive():
+  """T = 100: one full chunk and a padded one; K != V; row 1 at the gate bound."""
+  B, T, H, K, V = 2, 100, 2, 32, 16
+  inputs = make_inputs(0, B, T, H, K, V)
+  cot = cotangents(1, (B, T, H, V), (B, H, K, V))
+  out_ref, grads_ref = forward_and_grads(kda_naive, *inputs, *cot)
+  out, grads = forward_and_grads(interpret, *inputs, *cot)
+  assert out[0].shape == (B, T, H, V) and out[0].dtype == jnp.float32
+  assert out[1].shape == (B, H, K, V) and out[1].dtype == jnp.float32
+  check(out, grads, out_ref, grads_ref, RTOL_FP32, B)
+
+
+def test_kernel_bf16_recompute():
+  """bf16 inputs, K = V = 64, 3 heads, T = 150 (chunks of 32, the last padded), V split in
+  two blocks, chunk states recomputed in the backward: within fla's bf16 tolerances of the
+  fp32 recurrence on the same values."""
+  B, T, H, K, V = 2, 150, 3, 64, 64
+  inputs = [x.astype(jnp.bfloat16) for x in make_inputs(2, B, T, H, K, V)[:5]]
+  h0 = make_inputs(2, B, T, H, K, V)[5]
+  cot = cotangents(3, (B, T, H, V), (B, H, K, V))
+  up = [x.astype(jnp.float32) for x in inputs]
+  out_ref, grads_ref = forward_and_grads(kda_naive, *up, h0, *cot)
+  fn = functools.partial(interpret, chunk_size=32, block_v=32, save_states=False)
+  out, grads = forward_and_grads(fn, *inputs, h0, cot[0].astype(jnp.bfloat16), cot[1])
+  assert out[0].dtype == jnp.bfloat16 and out[1].dtype == jnp.float32
+  assert [x.dtype for x in grads] == [jnp.bfloat16] * 5 + [jnp.float32]
+  check(out, grads, out_ref, grads_ref, RTOL_BF16, B)
+
+
+def test_kernel_packed_documents():
+  """Packed rows (segment ids; a one-token document, a boundary on a chunk edge) vs naive on
+  outputs, final states and all gradients, with chunk 32 / sub-tile 8; and no gradient
+  crosses a document boundary: the loss on row 0's document 2 (tokens 38-82) has exactly
+  zero gradient outside it, and the initial state feeds document 0 only."""
+  q, k, v, g, beta, h0 = make_inputs(5, 2, 100, 2, 16, 16)
+  seg = packed_segment_ids()
+  cot_o, cot_s = cotangents(7, v.shape, h0.shape)
+  fn = functools.partial(interpret, chunk_size=32, sub_chunk_size=8, segment_ids=seg)
+  naive = functools.partial(kda_naive, segment_ids=seg)
+  out_ref, grads_ref = forward_and_grads(naive, q, k, v, g, beta, h0, cot_o, cot_s)
+  run = forward_and_grads_compiled(fn, q, k, v, g, beta, h0, cot_o, cot_s)
+  out, grads = run(q, k, v, g, beta, h0, cot_o, cot_s)
+  check(out, grads, out_ref, grads_ref, RTOL_FP32, 2)
+
+  start, stop = 38, 83
+  one_doc = jnp.zeros_like(cot_o).at[0, start:stop].set(cot_o[0, start:stop])
+  _, grads = run(q, k, v, g, beta, h0, one_doc, jnp.zeros_like(cot_s))
+  for name, grad in zip(GRAD_NAMES[:5], grads[:5]):
+    a = np.asarray(grad)
+    assert np.all(a[0, :start] == 0) and np.all(a[0, stop:] == 0), name
+    assert np.all(a[1] == 0) and np.any(a[0, start:stop] != 0), name
+  assert np.all(np.asarray(grads[5]) == 0)  # h0 feeds document 0 of each row only
+  assert sum(DOC_LENGTHS[0]) == 100 and DOC_LENGTHS[0][:2] == [37, 1]
+
+
+def test_kernel_unaligned_head_dims():
+  """K = 20, V = 24 (padded inside to 32), one head, T = 40 (< one chunk), no initial
+  state: output and final state vs naive, fp32."""
+  q, k, v, g, beta, _ = make_inputs(12, 1, 40, 1, 20, 24)
+  run = functools.partial(interpret, output_final_state=True, scale=0.3)
+  o, s = compile_fast(run, q, k, v, g, beta)(q, k, v, g, beta)
+  o_ref, s_ref = kda_naive(q, k, v, g, beta, output_final_state=True, scale=0.3)
+  assert o.shape == (1, 40, 1, 24) and s.shape == (1, 1, 20, 24)
+  assert rel_rms(o, o_ref) < RTOL_FP32 and rel_rms(s, s_ref) < RTOL_FP32
+
+
+def test_dispatcher_backends():
+  """"interpret" is kda_pallas in interpret mode; "auto" is "chunk" on CPU; the error lists
+  every backend."""
+  q, k, v, g, beta, h0 = make_inputs(10, 1, 20, 1, 16, 16)
+  trace = lambda f, **kw: str(jax.make_jaxpr(functools.partial(
+      f, initial_state=h0, output_final_state=True, scale=0.3, **kw))(q, k, v, g, beta))
+  assert trace(kda, backend="interpret") == trace(kda_pallas, interpret=True)
+  assert trace(kda, backend="auto") == trace(kda_chunk)
+  with pytest.raises(ValueError, match="kernel.*interpret.*auto"):
+    kda(q, k, v, g, beta, backend="triton")
+
+
+def test_kernel_rejects_bad_tiles():
+  q, k, v, g, beta, _ = make_inputs(11, 1, 20, 1, 16, 16)
+  with pytest.raises(ValueError, match="power of two"):
+    kda_pallas(q, k, v, g, beta, chunk_size=48, interpret=True)
+  with pytest.raises(ValueError, match="gate bound"):
+    kda_pallas(q, k, v, g, beta, sub_chunk_size=32, interpret=True)
+
+
+def test_lowers_for_cuda():
+  """Forward and backward lower to Triton for CUDA (no GPU needed): bf16, K = V = 128,
+  packed documents and an initial state."""
+  B, T, H, D = 1, 200, 2, 128
+  sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H),
+          sd(B, H, D, D, dt=jnp.float32), sd(B, T, dt=jnp.int32))
+
+  def loss(q, k, v, g, beta, h0, seg):
+    o, s = kda_pallas(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+                      output_final_state=True, platform="gpu")
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3  # prep, rec_fwd (states saved), rec_bwd
+
+
+def test_tpu_form_matches_naive():
+  """The TPU form of the recurrence (chunks on a sequential grid axis, the state in VMEM
+  scratch), in interpret mode: packed documents, an initial state, T = 70; outputs, final
+  state and every gradient vs naive, fp32."""
+  q, k, v, g, beta, h0 = make_inputs(13, 1, 70, 2, 32, 16)
+  seg = jnp.asarray(np.repeat([[4, 4, 7]], [30, 20, 20], axis=1), jnp.int32)  # [1, 70]
+  cot = cotangents(14, v.shape, h0.shape)
+  naive = functools.partial(kda_naive, segment_ids=seg)
+  tpu = functools.partial(interpret, platform="tpu", segment_ids=seg, chunk_size=32)
+  out_ref, grads_ref = forward_and_grads(naive, q, k, v, g, beta, h0, *cot)
+  out, grads = forward_and_grads(tpu, q, k, v, g, beta, h0, *cot)
+  check(out, grads, out_ref, grads_ref, RTOL_FP32, 1)
+
+
+def test_tpu_aot_compile():
+  """Forward and backward compile for a TPU v5p 2x2x1 slice through libtpu (Mosaic), under
+  shard_map with batch on one mesh axis and heads on the other: three Mosaic kernels in
+  the gradient (prep, recurrence forward with saved states, recurrence backward)."""
+  import os  # noqa: PLC0415
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest -n 2: two workers
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  from tpu_aot import tpu_mesh  # noqa: PLC0415
+
+  from pallas_kernels.kda.pallas import kda_pallas_sharded  # noqa: PLC0415
+  mesh = tpu_mesh(("data", "model"), (2, 2))
+  B, T, H, D = 2, 160, 2, 128
+  spec = lambda s, p, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt, sharding=NamedSharding(
+      mesh, p))
+  tok = P("data", None, "model")
+  args = (*[spec((B, T, H, D), tok)] * 4, spec((B, T, H), tok),
+          spec((B, H, D, D), P("data", "model"), jnp.float32), spec((B, T), P("data"),
+                                                                     jnp.int32))
+
+  def loss(q, k, v, g, beta, h0, seg):
+    o, s = kda_pallas_sharded(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+                              output_final_state=True, platform="tpu", mesh=mesh,
+                              batch_axis="data", head_axis="model")
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(*args).lower().compile()
+  assert compiled.as_text().count("tpu_custom_call") == 3

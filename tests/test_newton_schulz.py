@@ -1,0 +1,166 @@
+"""Newton-Schulz (pallas_kernels/newton_schulz): the reference vs optax; the Pallas kernels
+(interpret mode: the fused TPU kernel and the split GPU kernels) and the plain-XLA Gram form
+vs the reference on awkward shapes, float32 and bf16; singular values; the dispatcher's
+rule; Triton lowering for CUDA; Mosaic compilation for a v5p slice (AOT, libtpu)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.newton_schulz import (COEFFS, newton_schulz, newton_schulz_gpu,
+                                          newton_schulz_reference, tpu_block_bytes,
+                                          uses_gram_kernel)
+
+RTOL_FP32 = 1e-5  # relative Frobenius error, float32 inputs
+RTOL_BF16 = 1e-2  # bf16 inputs (both sides see the same bf16 values)
+# max |singular value difference| on blocks of condition number 100. The Gram form's float32
+# error grows like cond^2 * 2^-24 (X X^T squares it; ~1e-4 measured here), the standard
+# form's like cond * 2^-24; bf16 outputs round at 2^-9.
+SV_TOL = {jnp.float32: 1e-3, jnp.bfloat16: 1e-2}
+NS5_BAND = (0.6, 1.25)  # where 5 quintic steps leave singular values not near zero
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+KERNELS = {
+    "tpu_interpret": functools.partial(newton_schulz, backend="interpret"),
+    "gpu_interpret": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32),
+    "gpu_interpret_fused": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32,
+                                             iterate="fused"),
+    "gram_xla": functools.partial(newton_schulz, backend="gram_xla"),
+}
+# Ragged batch counts, n off every tile, m > n (transposed inside), two leading dims.
+SHAPES = [(3, 16, 200), (2, 3, 100, 24)]
+reference = jax.jit(newton_schulz_reference)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def blocks(seed, shape, dtype=jnp.float32, cond=None):
+  """Random blocks; with cond, each block's singular values are log-spaced from 1 down to
+  1 / cond (a momentum-like spectrum instead of a Gaussian's flat one)."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape)
+  if cond is not None:
+    u, _, vt = np.linalg.svd(x, full_matrices=False)
+    s = np.logspace(0, -np.log10(cond), min(shape[-2:]))
+    x = (u * s[..., None, :]) @ vt
+  return jnp.asarray(x, dtype)
+
+
+def singular_values(x):
+  return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
+
+
+def test_reference_matches_optax():
+  """A 2-D block, both orientations (same eps), and a [L, H, m, n] stack against optax with
+  L and H as batch axes."""
+  contrib = optax.contrib
+  orthogonalize = contrib._muon.orthogonalize_via_newton_schulz
+  for shape in [(24, 80), (80, 24)]:
+    x = blocks(0, shape)
+    want = orthogonalize(x, jnp.asarray(COEFFS), 5, eps=1e-8)
+    assert rel(newton_schulz_reference(x, eps=1e-8), want) < RTOL_FP32
+  x = blocks(1, (2, 3, 16, 48))
+  dims = contrib.MuonDimensionNumbers(reduction_axis=2, output_axis=3)
+  want = orthogonalize(x, jnp.asarray(COEFFS), 5, eps=1e-7, dimension_numbers=dims)
+  assert rel(reference(x), want) < RTOL_FP32
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_matches_reference(name, dtype):
+  tol = RTOL_FP32 if dtype == jnp.float32 else RTOL_BF16
+  for i, shape in enumerate(SHAPES):
+    x = blocks(i, shape, dtype)
+    out = jax.jit(KERNELS[name])(x)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel(out, reference(x)) < tol, (name, shape)
+
+
+@pytest.mark.parametrize("name", ["tpu_interpret", "gpu_interpret"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_singular_values_match(name, dtype):
+  """Ill-conditioned blocks (condition 100): every singular value of the kernel's output is
+  within SV_TOL of the reference's, and the reference's lie in the NS5 band."""
+  x = blocks(7, (2, 16, 96), dtype, cond=100.0)
+  out, ref = jax.jit(KERNELS[name])(x), reference(x)
+  for o, r in zip(out, ref):
+    sv_out, sv_ref = singular_values(o), singular_values(r)
+    assert NS5_BAND[0] < sv_ref.min() and sv_ref.max() < NS5_BAND[1]
+    assert np.max(np.abs(sv_out - sv_ref)) < SV_TOL[dtype]
+
+
+def test_zero_block_stays_finite():
+  """eps keeps an all-zero block (e.g. a head with no gradient yet) at zero, not NaN."""
+  x = jnp.zeros((2, 16, 64), jnp.float32).at[1].set(blocks(3, (16, 64)))
+  for name in ["tpu_interpret", "gpu_interpret"]:
+    out = np.asarray(KERNELS[name](x))
+    assert np.all(out[0] == 0) and np.all(np.isfinite(out))
+    assert rel(out[1], reference(x[1])) < RTOL_FP32
+
+
+def test_dispatch():
+  """The auto rule; on CPU "auto" and "xla" are the standard form (the reference for
+  float32); "pallas" on CPU interprets the TPU kernel."""
+  assert uses_gram_kernel((128, 7168)) and uses_gram_kernel((7168, 128))
+  assert not uses_gram_kernel((1536, 2048)) and not uses_gram_kernel((4096, 16384))
+  assert not uses_gram_kernel((128, 256))  # not wide enough to pay
+  x = blocks(4, (2, 16, 80))
+  ref = reference(x)
+  np.testing.assert_array_equal(jax.jit(functools.partial(newton_schulz, backend="xla"))(x), ref)
+  cpu_auto = jax.jit(newton_schulz).lower(x).as_text()  # 3 matmuls per step, no kernel
+  assert cpu_auto.count("dot_general") == 3 * 5 and "custom_call" not in cpu_auto
+  assert rel(newton_schulz(x, backend="pallas"), ref) < RTOL_FP32
+  with pytest.raises(ValueError, match="unknown Newton-Schulz backend"):
+    newton_schulz(x, backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_lowering_uses_triton(dtype):
+  """Lowered for CUDA (no GPU needed), "auto" calls the Triton kernels for short-wide blocks
+  (odd sizes padded inside) and none for square ones: Gram and apply kernels, and for bf16
+  fewer than 64 blocks a third one for the iteration (from 64 it is fused into the Gram
+  kernel; float32 iterates in XLA)."""
+  def lowered(shape):
+    spec = jax.ShapeDtypeStruct(shape, dtype)
+    f = jax.jit(newton_schulz).trace(spec).lower(lowering_platforms=("cuda",))
+    return f.as_text()
+
+  assert lowered((96, 128, 7168)).count(TRITON_CALL) == 2
+  assert lowered((3, 700, 40)).count(TRITON_CALL) == (3 if dtype == jnp.bfloat16 else 2)
+  assert TRITON_CALL not in lowered((4, 256, 256))
+
+
+def test_tpu_aot_compile():
+  """The Mosaic kernel compiles for a v5p 2x2x1 slice with the blocks sharded over the 4
+  chips and each orthogonalized where it lives (no collective), and "auto" picks it there
+  for short-wide blocks only."""
+  from tpu_aot import tpu_mesh  # noqa: PLC0415
+  mesh = tpu_mesh(("heads",))
+  sharding = NamedSharding(mesh, P("heads"))
+  f = jax.jit(jax.shard_map(newton_schulz, mesh=mesh, in_specs=P("heads"),
+                            out_specs=P("heads")))
+  for shape, dtype in [((8, 128, 7168), jnp.bfloat16), ((4, 2, 300, 40), jnp.float32)]:
+    lowered = f.lower(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    assert "tpu_custom_call" in lowered.as_text()
+    compiled = lowered.compile()
+    hlo = compiled.as_text()
+    assert not any(op in hlo for op in ("all-gather", "all-reduce", "all-to-all"))
+    # Arguments and outputs: one chip's quarter, at most doubled by the TPU's tiled layout
+    # of small dims; temporaries: at most padded copies of the chip's blocks.
+    memory = compiled.memory_analysis()
+    local_bytes = np.prod(shape) // 4 * jnp.dtype(dtype).itemsize
+    local_blocks = np.prod(shape[:-2]) // 4
+    assert local_bytes <= memory.argument_size_in_bytes < 2 * local_bytes
+    assert local_bytes <= memory.output_size_in_bytes < 2 * local_bytes
+    assert memory.temp_size_in_bytes <= 4 * local_blocks * tpu_block_bytes(shape, dtype)
+  square = jax.ShapeDtypeStruct((4, 256, 256), jnp.float32, sharding=sharding)
+  assert "tpu_custom_call" not in f.lower(square).as_text()
