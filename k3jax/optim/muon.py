@@ -49,7 +49,7 @@ class BlockLayout:
 
   @property
   def scale(self) -> float:
-    """0.2 sqrt(max(fan_in, fan_out)) / 0.2: the RMS-matching factor without rms_scale."""
+    """sqrt(max(fan_in, fan_out)); the update is rms_scale (0.2) times this times NS(U)."""
     return math.sqrt(max(self.fan_in, self.fan_out))
 
   def to_blocks(self, x: jax.Array) -> jax.Array:
