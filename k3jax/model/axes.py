@@ -21,9 +21,26 @@ import threading
 from collections.abc import Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AxisNames = tuple[str | None, ...]
+STACKED_AXES = ("layers",)   # names a scan stacks layers on: never a matrix or batch dim
+
+
+def is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def axis_names(var: nnx.Variable) -> AxisNames:
+  """The logical axis names of a parameter or state variable (stacked axes included);
+  None for each axis when it has none. Optimizers and mesh rules read them here."""
+  meta = var.get_metadata()
+  for key in ("out_sharding", "sharding_names", "sharding"):
+    names = meta.get(key)
+    if isinstance(names, (tuple, list)):
+      return tuple(names)
+  return (None,) * len(var.shape)
 
 
 class _Rules(threading.local):

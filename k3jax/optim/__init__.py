@@ -9,7 +9,7 @@ from k3jax.optim.factory import (
     weight_decay_mask,
 )
 from k3jax.optim.muon import BlockLayout, block_layouts, muon_labels, scale_by_muon
-from k3jax.optim.param_meta import STACKED_AXES
+from k3jax.model.axes import STACKED_AXES
 from k3jax.optim.schedule import warmup_cosine
 
 __all__ = [

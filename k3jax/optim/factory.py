@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 
 from k3jax.optim import muon as muon_lib
-from k3jax.optim.param_meta import STACKED_AXES, axis_names, is_variable
+from k3jax.model.axes import STACKED_AXES, axis_names, is_variable
 from k3jax.optim.schedule import warmup_cosine
 
 DecayMask = Any   # a pytree of bools, or a callable params -> pytree of bools
@@ -51,7 +51,7 @@ def _decay_variable(var: nnx.Variable) -> bool:
     return bool(meta["weight_decay"])
   names = axis_names(var)
   ndim = len(var.shape)
-  if names is not None and len(names) == ndim:
+  if len(names) == ndim:
     ndim -= sum(1 for n in names if n in STACKED_AXES)
   return ndim >= 2
 

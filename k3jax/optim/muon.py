@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from k3jax.optim.param_meta import STACKED_AXES, axis_names, is_variable
+from k3jax.model.axes import STACKED_AXES, axis_names, is_variable
 from pallas_kernels.newton_schulz import newton_schulz
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ def block_layout(var: nnx.Variable, *, per_head: bool) -> BlockLayout | None:
   roles = var.get_metadata().get("muon_roles")
   if not var.get_metadata().get("muon") or roles is None:
     return None
-  names = axis_names(var) or (None,) * len(var.shape)
+  names = axis_names(var)
   shape = tuple(var.shape)
   stacked = [i for i, n in enumerate(names) if n in STACKED_AXES]
   own = [i for i in range(len(shape)) if i not in stacked]

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config import ConfigError
-from k3jax.model.axes import logical_to_spec
+from k3jax.model.axes import axis_names, is_variable, logical_to_spec
 
 RULES = (
     ("batch", ("data", "fsdp", "expert")),
@@ -28,23 +28,18 @@ RULES = (
 )
 
 
-def _names(var: nnx.Variable) -> tuple:
-  names = var.get_metadata().get("out_sharding")
-  return tuple(names) if names is not None else (None,) * len(var.shape)
-
-
 def param_specs(state: Any, rules=RULES) -> Any:
   """A PartitionSpec per leaf of `nnx.as_pure(state)` from its logical axis names."""
-  return jax.tree.map(lambda v: logical_to_spec(_names(v), rules), state,
-                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.map(lambda v: logical_to_spec(axis_names(v), rules), state,
+                      is_leaf=is_variable)
 
 
 def check_divisible(state: Any, mesh: Mesh, rules=RULES) -> None:
   """ConfigError naming the first parameter dimension its mesh axes do not divide."""
   for path, var in jax.tree_util.tree_leaves_with_path(
-      state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-    spec = logical_to_spec(_names(var), rules)
-    for dim, (size, axes, name) in enumerate(zip(var.shape, spec, _names(var))):
+      state, is_leaf=is_variable):
+    spec = logical_to_spec(axis_names(var), rules)
+    for dim, (size, axes, name) in enumerate(zip(var.shape, spec, axis_names(var))):
       axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
       ways = 1
       for a in axes:
