@@ -13,6 +13,8 @@ document per row) keep the data pipeline out of the numbers. Prints a markdown t
 from __future__ import annotations
 
 import datetime
+import functools
+import math
 import time
 
 import jax
@@ -26,11 +28,15 @@ from k3jax import cli, optim
 from k3jax import config as k3config
 from k3jax import flops
 from k3jax.model import K3Model
+from k3jax.optim import muon
 from k3jax.steps import make_steps
+from pallas_kernels.newton_schulz import newton_schulz
 
 _VARIANTS = flags.DEFINE_list("variants", ["muon:auto", "muon:xla", "adamw"],
                               "optimizer steps to time: muon:<ns_backend> or adamw")
 _REPS = flags.DEFINE_integer("reps", 10, "timed repetitions (after 2 warm-up runs)")
+_TRAIN_STEP = flags.DEFINE_bool("train_step", True, "also compile and time the train step "
+                                "(minutes of compile for k3_small)")
 
 
 def timed(fn, *args, reps: int) -> tuple[float, object]:
@@ -54,6 +60,29 @@ def variant_config(cfg, variant: str):
     if backend:
       cfg.optimizer.muon.ns_backend = backend
   return k3config.validate(cfg)
+
+
+def ns_blocks(cfg, abs_params):
+  """Times Newton-Schulz alone on every Muon block of the model, grouped by block shape."""
+  mu = cfg.optimizer.muon
+  labels = jax.tree.leaves(muon.muon_labels(abs_params, router=mu.router))
+  layouts = jax.tree.leaves(muon.block_layouts(abs_params, per_head=mu.per_head),
+                            is_leaf=lambda x: x is None or isinstance(x, muon.BlockLayout))
+  shapes = {}
+  for label, lay in zip(labels, layouts):
+    if label == "muon":
+      key = (lay.fan_in, lay.fan_out)
+      shapes[key] = shapes.get(key, 0) + math.prod(lay.batch)
+  total = 0.0
+  print("\n| Newton-Schulz alone: blocks | time |\n|---|---|")
+  for (fi, fo), count in sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1]):
+    x = jax.random.normal(jax.random.key(0), (count, fi, fo), jnp.dtype(mu.ns_dtype))
+    ns = jax.jit(functools.partial(newton_schulz, steps=mu.ns_steps, backend=mu.ns_backend))
+    secs = timed(ns, x, reps=_REPS.value)[0]
+    total += secs
+    print(f"| {count} x ({fi} x {fo}) | {secs * 1e3:.2f} ms |", flush=True)
+    del x
+  print(f"| all | {total * 1e3:.2f} ms |", flush=True)
 
 
 def main(argv):
@@ -81,6 +110,26 @@ def main(argv):
            "segment_ids": jnp.ones((t.global_batch, t.seq_len), jnp.int32),
            "weights": jnp.ones((t.global_batch, t.seq_len), jnp.float32)}
 
+  # The optimizer steps first: they compile in seconds, the train step in minutes.
+  grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
+  opt_times = {}
+  for variant in _VARIANTS.value:
+    vcfg = variant_config(cfg, variant)
+    vtx, _ = optim.make_optimizer(vcfg, abs_params)
+
+    def opt_step(params, opt_state, grads, vtx=vtx):
+      updates, opt_state = vtx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    state = jax.jit(vtx.init)(params)
+    opt_times[variant] = timed(jax.jit(opt_step), params, state, grads, reps=_REPS.value)[0]
+    print(f"# optimizer step {variant}: {opt_times[variant] * 1e3:.2f} ms", flush=True)
+    del state
+  del grads
+  ns_blocks(cfg, abs_params)
+  if not _TRAIN_STEP.value:
+    return
+
   tx, _ = optim.make_optimizer(cfg, abs_params)
   print(f"# optimizer: {optim.describe(cfg, abs_params)}", flush=True)
   train_step, _ = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau)
@@ -98,21 +147,9 @@ def main(argv):
   mfu = f"{flops.mfu(tokens_per_s, fpt, peak):.1%}" if peak else "n/a"
   print(f"\n| train step ({cfg.optimizer.name}) | {step_time * 1e3:.1f} ms | "
         f"{tokens_per_s:,.0f} tok/s | MFU {mfu} | loss {loss:.3f} |", flush=True)
-
   print("\n| optimizer step | time | share of the train step |\n|---|---|---|")
-  grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
-  for variant in _VARIANTS.value:
-    vcfg = variant_config(cfg, variant)
-    vtx, _ = optim.make_optimizer(vcfg, abs_params)
-
-    def opt_step(params, opt_state, grads, vtx=vtx):
-      updates, opt_state = vtx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-
-    state = jax.jit(vtx.init)(params)
-    secs, _ = timed(jax.jit(opt_step), params, state, grads, reps=_REPS.value)
+  for variant, secs in opt_times.items():
     print(f"| {variant} | {secs * 1e3:.2f} ms | {secs / step_time:.1%} |", flush=True)
-    del state
 
 
 if __name__ == "__main__":

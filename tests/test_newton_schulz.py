@@ -31,6 +31,8 @@ KERNELS = {
     "gpu_interpret": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32),
     "gpu_interpret_fused": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32,
                                              iterate="fused"),
+    "gpu_interpret_whole": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32,
+                                             iterate="whole"),
     "gram_xla": functools.partial(newton_schulz, backend="gram_xla"),
 }
 # Ragged batch counts, n off every tile, m > n (transposed inside), two leading dims.
@@ -126,15 +128,15 @@ def test_dispatch():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_lowering_uses_triton(dtype):
   """Lowered for CUDA (no GPU needed), "auto" calls the Triton kernels for short-wide blocks
-  (odd sizes padded inside) and none for square ones: Gram and apply kernels, and for bf16
-  fewer than 64 blocks a third one for the iteration (from 64 it is fused into the Gram
-  kernel; float32 iterates in XLA)."""
+  (odd sizes padded inside) and none for square ones: bf16 from 64 blocks one kernel for
+  everything ("whole"), fewer blocks Gram, iteration and apply kernels; float32 Gram and
+  apply kernels with the iteration in XLA."""
   def lowered(shape):
     spec = jax.ShapeDtypeStruct(shape, dtype)
     f = jax.jit(newton_schulz).trace(spec).lower(lowering_platforms=("cuda",))
     return f.as_text()
 
-  assert lowered((96, 128, 7168)).count(TRITON_CALL) == 2
+  assert lowered((96, 128, 7168)).count(TRITON_CALL) == (1 if dtype == jnp.bfloat16 else 2)
   assert lowered((3, 700, 40)).count(TRITON_CALL) == (3 if dtype == jnp.bfloat16 else 2)
   assert TRITON_CALL not in lowered((4, 256, 256))
 

@@ -14,8 +14,9 @@ Gram matrix, once for the product) instead of twice per step, and the iteration 
 17 m^3-sized matmuls instead of 10 (m^2 n)-sized ones, so it pays for m << n.
 
 The Gram matrix squares the condition number (float32 errors grow like cond^2 * 2^-24), so
-the [m, m] iteration always runs in float32 (HIGHEST; bf16x3, about 2^-16 relative per
-product, where a caller chooses it for bf16 inputs), and for bf16 inputs the final product
+the [m, m] iteration always runs with float32 accumulation (HIGHEST; or, where a caller
+chooses it for bf16 inputs, bf16x3 at about 2^-16 or tf32 at about 2^-11 relative per
+product), and for bf16 inputs the final product
 uses q as two bf16 parts (hi + lo): a lone bf16 q would err by about 2^-9 times the block's
 condition number.
 

@@ -1,22 +1,22 @@
 """Pallas kernels for the Gram form of Newton-Schulz (see `gram.py` for the maths).
 
-Two layouts of the same three stages (Gram matrix, [m, m] polynomial, final product):
+The same three stages (Gram matrix, [m, m] polynomial, final product) in two layouts:
 
-- TPU (Mosaic), "fused": one kernel, grid = (blocks,). A whole block [m, n] sits in VMEM
-  (Pallas double-buffers it across the grid), so the kernel reads X from HBM once, forms
-  X X^T tile by tile, runs the [m, m] iteration on the MXU and writes q @ X: one read and
-  one write of X, the least traffic there is. VMEM holds 2 input + 2 output blocks, so a
-  block must stay under ~10 MB (128 x 16384 bf16 is 4 MB).
-- GPU (Pallas Triton), "split": a Gram kernel, grid = (blocks, splits), sums X X^T over
-  its columns in float32 registers and, with one split (bf16, from 64 blocks), runs the
-  [m, m] iteration right there (one program per block, 8 warps, bf16x3 dots) and writes
-  q [m, m]; an apply kernel, grid = (blocks, n / (4 tiles)), writes q @ X. Reading X twice
-  is the floor here: a GPU program cannot keep a block resident (one SM has 256 KB of
-  registers). With fewer blocks the Gram pass is split over columns to fill the SMs and the
-  iteration gets a kernel of its own; float32 inputs iterate in XLA (`newton_schulz_gpu`
-  says why). Measured on the H200 (96 x 128 x 7168 bf16), the iteration as ~30 batched
-  XLA ops (launch-bound) made the whole 0.44 ms, as its own kernel 0.31 ms, fused 0.30 ms;
-  16 warps instead of 8: 0.48 ms. The GPU path takes m <= 128.
+- "whole", one kernel, grid = (blocks,): a program forms X X^T tile by tile, runs the [m, m]
+  iteration and writes q @ X. On TPU (Mosaic) the block [m, n] sits in VMEM (Pallas
+  double-buffers it across the grid), so X is read from HBM once: one read and one write,
+  the least traffic there is. VMEM holds 2 input + 2 output blocks, so a block must stay
+  under ~10 MB (128 x 16384 bf16 is 4 MB). On GPU (Pallas Triton) X stays in HBM and the
+  program reads it twice (one SM has 256 KB of registers: no block stays resident); this
+  is the bf16 default from 64 blocks.
+- "split", GPU only: a Gram kernel, grid = (blocks, splits), sums X X^T over its columns in
+  float32 registers; the iteration runs in its own kernel (or fused at the end of a
+  one-split Gram kernel, or in XLA); an apply kernel, grid = (blocks, n / (4 tiles)), writes
+  q @ X over the whole GPU. With few blocks this fills the SMs that one program per block
+  would leave idle. float32 inputs iterate in XLA (`newton_schulz_gpu` says why).
+  Measured on the H200 (96 x 128 x 7168 bf16): whole 0.260 ms; split with the iteration
+  fused 0.286 ms, in its own kernel 0.317 ms, as ~30 batched XLA ops 0.437 ms. The GPU
+  path takes m <= 128.
 
 Why Triton rather than Mosaic GPU: the work is two short streaming loops of small
 (m x 128) matmuls whose tiles Triton lays out, pipelines and feeds to the tensor cores from
@@ -28,7 +28,7 @@ default GPU backend for `pallas_call` is Mosaic GPU).
 Arithmetic (both layouts, and interpret mode, which runs the same kernel bodies on a CPU):
 float32 inputs use float32 matmuls at HIGHEST precision throughout; bf16 inputs use bf16
 operands with float32 accumulation for X X^T and q @ X (q split into bf16 hi + lo), and
-the [m, m] iteration runs in float32 (TPU: HIGHEST; GPU: bf16x3 for bf16 inputs).
+the [m, m] iteration runs in float32 (TPU: HIGHEST; GPU: tf32 operands for bf16 inputs).
 
 Padding (inside the wrapper, zeros): rows to the layout's multiple (zero rows of X give zero
 rows and columns of the Gram matrix, so they never mix into the real rows), columns to a
@@ -55,7 +55,7 @@ _F32 = jnp.float32
 GPU_MAX_ROWS = 128  # the GPU Gram kernel keeps an [m, m] float32 accumulator in registers
 TPU_MAX_BLOCK_BYTES = 10 * 2**20  # VMEM holds 2 input and 2 output blocks
 GPU_TARGET_PROGRAMS = 264  # 2 programs per SM of an H100/H200
-FUSED_MIN_BLOCKS = 64  # fuse the [m, m] iteration into the Gram kernel from this many blocks
+WHOLE_MIN_BLOCKS = 64  # one program per block ("whole") from this many blocks
 
 
 def _out_struct(shape, dtype, like):
@@ -112,10 +112,10 @@ def _gram_tiles(x_ref, first, count, tn, exact):
   return jax.lax.fori_loop(0, count, body, jnp.zeros((m, m), _F32))
 
 
-def _fused_kernel(x_ref, o_ref, *, tn, exact, poly):
-  """One block: x_ref, o_ref [m, n] (VMEM on TPU)."""
+def _whole_kernel(x_ref, o_ref, *, tn, exact, poly):
+  """One block: x_ref, o_ref [m, n] (VMEM on TPU, HBM on GPU)."""
   nt = x_ref.shape[1] // tn
-  q = poly(_gram_tiles(x_ref, 0, nt, tn, exact), dot=dot_f32)
+  q = poly(_gram_tiles(x_ref, 0, nt, tn, exact))
   _apply_tiles(_apply_operands(q, exact), x_ref, o_ref, tn, exact)
 
 
@@ -190,8 +190,9 @@ def newton_schulz_tpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   if block_bytes > TPU_MAX_BLOCK_BYTES:
     raise ValueError(f"block [{m_pad}, {n_pad}] ({block_bytes} bytes) does not fit the fused "
                      f"TPU kernel's VMEM budget ({TPU_MAX_BLOCK_BYTES} bytes per block)")
-  poly = functools.partial(gram_matrix_polynomial, steps=steps, coeffs=coeffs, eps=eps)
-  kernel = functools.partial(_fused_kernel, tn=tn, exact=exact, poly=poly)
+  poly = functools.partial(gram_matrix_polynomial, steps=steps, coeffs=coeffs, eps=eps,
+                           dot=dot_f32)
+  kernel = functools.partial(_whole_kernel, tn=tn, exact=exact, poly=poly)
   spec = pl.BlockSpec((None, m_pad, n_pad), lambda b: (b, 0, 0))
   # 4 blocks double-buffered, plus [m, m] float32 temporaries and one tile's products.
   vmem = 4 * block_bytes + 16 * m_pad * m_pad * 4 + 8 * m_pad * tn * 4 + (4 << 20)
@@ -227,21 +228,29 @@ def _gpu_apply_tiles(num_blocks, num_tiles, most=4):
 def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False, tile_n=None,
                       splits=None, apply_tiles=None, iterate=None, iterate_precision=None,
                       num_warps=4, num_stages=3, iterate_warps=8):
-  """The split Triton kernels (Gram partials, [m, m] iteration, apply). x: [..., m, n], with
-  min(m, n) <= 128 -> [..., m, n] in x's dtype.
+  """The Triton kernels. x: [..., m, n], with min(m, n) <= 128 -> [..., m, n] in x's dtype.
 
-  iterate: where the [m, m] iteration runs: "fused" (at the end of the Gram kernel, one
-  program per block; the bf16 default for >= FUSED_MIN_BLOCKS blocks), "kernel" (a Triton
-  kernel of its own after a Gram kernel split over columns; the bf16 default for fewer
-  blocks, which would leave most SMs idle in a fused Gram pass) or "xla" (batched XLA
-  matmuls; the float32 default: Triton's IEEE float32 dots become unrolled FMA code, and a
-  program of 17 [128, 128] products did not finish compiling in 110 s on the H200).
+  iterate: where the [m, m] iteration runs, i.e. the kernel layout:
+    "whole": one kernel, one program per block: Gram matrix, iteration and q @ X, the TPU
+      kernel's layout, X read twice by the same program (it stays in HBM). The bf16
+      default from WHOLE_MIN_BLOCKS blocks (H200, 96 x 128 x 7168: 0.260 ms with tf32 and
+      256-column tiles; the three layouts below 0.286, 0.317 and 0.437 ms).
+    "fused": at the end of a Gram kernel with one program per block, then an apply kernel
+      over the whole GPU.
+    "kernel": a Triton kernel of its own, after a Gram kernel split over columns; the bf16
+      default for fewer blocks, which would leave most SMs idle in a one-program-per-block
+      Gram pass.
+    "xla": batched XLA matmuls between the Gram and apply kernels; the float32 default:
+      Triton's IEEE float32 dots become unrolled FMA code, and a program of 17 [128, 128]
+      products did not finish compiling in 110 s on the H200.
+  iterate_precision: the iteration's matmul precision: default HIGHEST for float32 x, tf32
+    operands otherwise (float32 accumulation; H200: 0.266 ms and error 2.8e-3 against the
+    float32 reference, vs 0.281 ms and 3.4e-4 with bf16x3, 0.208 ms and 1.6e-2 with bf16).
 
   Rows are padded to a power of two >= 16 (Triton tiles), columns to a multiple of the tile
-  (tile_n, default 128 for bf16, 64 for float32). splits: column splits of the Gram kernel;
-  apply_tiles: column tiles per apply program (defaults fill the GPU, see `_gpu_splits`).
-  iterate_precision: the [m, m] iteration's matmul precision (default HIGHEST for float32 x,
-  bf16x3 otherwise).
+  (tile_n, default 64 for float32, 256 for bf16 "whole", 128 otherwise). splits: column
+  splits of the Gram kernel; apply_tiles: column tiles per apply program (defaults fill the
+  GPU, see `_gpu_splits`).
   """
   out_dtype, dtype = x.dtype, _compute_dtype(x)
   exact = dtype == _F32
@@ -249,24 +258,39 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   if m > GPU_MAX_ROWS:
     raise ValueError(f"the GPU Gram kernel takes blocks with min(m, n) <= {GPU_MAX_ROWS}, "
                      f"got {x.shape[-2:]}")
+  if iterate is None:  # float32: Triton's IEEE dots unroll into FMA code too long to compile
+    blocks = math.prod(x.shape[:-2])
+    iterate = "xla" if exact else "whole" if blocks >= WHOLE_MIN_BLOCKS else "kernel"
   m_pad = max(16, 1 << (m - 1).bit_length())
-  tn = tile_n or (64 if exact else 128)
+  tn = tile_n or (64 if exact else 256 if iterate == "whole" else 128)
   xb, undo = _as_blocks(x.astype(dtype), m_pad, tn)
   B, _, n_pad = xb.shape
   nt = n_pad // tn
-  if iterate is None:  # float32: Triton's IEEE dots unroll into FMA code too long to compile
-    iterate = "xla" if exact else "fused" if B >= FUSED_MIN_BLOCKS else "kernel"
-  splits = 1 if iterate == "fused" else splits or _gpu_splits(B, nt)
+  splits = 1 if iterate in ("fused", "whole") else splits or _gpu_splits(B, nt)
   if nt % splits:
     raise ValueError(f"splits={splits} does not divide the {nt} column tiles")
   params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   cols = nt // splits * tn
 
   if iterate_precision is None:
-    iterate_precision = _HI if exact else jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+    # DEFAULT: tf32 operands in Triton (float32 in interpret mode on a CPU)
+    iterate_precision = _HI if exact else jax.lax.Precision.DEFAULT
   dot = lambda u, v: jnp.matmul(u, v, precision=iterate_precision, preferred_element_type=_F32)
   poly = functools.partial(gram_matrix_polynomial, steps=steps, coeffs=coeffs, eps=eps, dot=dot)
   iterate_params = pltriton.CompilerParams(num_warps=iterate_warps, num_stages=num_stages)
+
+  if iterate == "whole":
+    spec = pl.BlockSpec((None, m_pad, n_pad), lambda b: (b, 0, 0))
+    out = pl.pallas_call(
+        functools.partial(_whole_kernel, tn=tn, exact=exact, poly=poly),
+        grid=(B,),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=_out_struct(xb.shape, dtype, xb),
+        compiler_params=iterate_params,
+        interpret=interpret,
+    )(xb)
+    return undo(out).astype(out_dtype)
 
   partial = pl.pallas_call(
       functools.partial(_gram_kernel, tn=tn, exact=exact,
@@ -294,7 +318,7 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   elif iterate == "xla":
     q = jax.vmap(poly)(jnp.sum(partial, axis=1))  # [B, m_pad, m_pad]
   else:
-    raise ValueError(f"iterate={iterate!r}: choose 'xla', 'kernel' or 'fused'")
+    raise ValueError(f"iterate={iterate!r}: choose 'xla', 'kernel', 'fused' or 'whole'")
 
   apply_tiles = apply_tiles or _gpu_apply_tiles(B, nt)
   if nt % apply_tiles:
