@@ -1,24 +1,32 @@
 """Checkpoints of a training run: the train state, the data iterator state and the config.
 
 One `Checkpointer` per run wraps an `orbax.checkpoint.CheckpointManager` over
-`<workdir>/checkpoints`. Each step directory holds up to three orbax items:
+`<workdir>/checkpoints`. Each step directory holds up to four orbax items:
 
-  state   the train-state pytree (arrays of any dtype and sharding, Python scalars)
-  data    the data iterator's `get_state()` (a dict, or bytes stored as base64), as JSON
-  config  the experiment config (`cfg.to_json()`), as JSON
+  state     the train-state pytree (arrays of any dtype and sharding, Python scalars)
+  data      the data iterator's `get_state()` (a dict, or bytes stored as base64), as JSON
+  config    the experiment config (`cfg.to_json()`), as JSON
+  progress  the trainer's counters (a small JSON dict, e.g. skipped steps)
 
-Orbax writes a step into a temporary directory and renames it (or, on object stores,
-writes `commit_success.txt`) only when every item is complete; `latest_step` and
-`restore` see finalized steps only, so a run killed mid-save resumes from the previous one.
-With `async_save` the device-to-host copy happens inside `save` and the file writes in a
-background thread: the caller may donate or overwrite the saved arrays right after `save`
-returns, and must call `wait()` (or `close()`) before the process exits.
+Orbax writes a step into a temporary directory, writes `commit_success.txt` into it and
+renames it only when every item is complete; `latest_step` and `restore` see finalized
+steps only, so a run killed mid-save resumes from the previous one (the temporary directory
+is removed when the next Checkpointer opens). With `async_save` the device-to-host copy
+happens inside `save` and the file writes in a background thread: the caller may donate or
+overwrite the saved arrays right after `save` returns, and must call `wait()` (or
+`close()`) before the process exits.
+
+`restore_latest` is what a trainer calls: it checks the stored config against the current
+one, and a newest step that cannot be read (no commit marker, garbled or missing metadata,
+a truncated array file) is moved aside to `<step>.corrupt` with a warning naming it and the
+step used instead.
 
   ckpt = Checkpointer(workdir, keep=cfg.train.keep_checkpoints,
                       save_every=cfg.train.checkpoint_every)
-  step = ckpt.latest_step()
-  if step is not None:
-    state, data_state = ckpt.restore(step, abstract_state)   # leaves: ShapeDtypeStruct + sharding
+  got = ckpt.restore_latest(abstract_state, config_json=cfg.to_json(),
+                            must_match=("model.d_model", ...))   # None: nothing saved yet
+  if got is not None:
+    step, state, data_state, progress = got   # leaves of abstract_state: ShapeDtypeStruct
   ...
   ckpt.save(step, state, data_iter.get_state(), cfg.to_json())   # no-op between intervals
   ckpt.close()
@@ -29,14 +37,34 @@ from __future__ import annotations
 import base64
 import json
 import os
-from typing import Any
+import shutil
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 DataState = dict | bytes | None
+COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, before the final rename
+CORRUPT_SUFFIX = ".corrupt"
+
+
+class IncompatibleCheckpoint(ValueError):
+  """A checkpoint saved under a config that disagrees on a field the state depends on."""
+
+
+class _Unreadable(Exception):
+  """A checkpoint step whose files are partial or damaged."""
+
+
+class Restored(NamedTuple):
+  step: int
+  state: Any
+  data: DataState
+  progress: dict | None
 
 
 def check_writable(directory: epath.PathLike) -> epath.Path:
@@ -51,6 +79,19 @@ def check_writable(directory: epath.PathLike) -> epath.Path:
     raise OSError(f"checkpoint directory {str(path)!r} is not writable: "
                   f"{type(e).__name__}: {e}") from e
   return path
+
+
+def check_free_space(directory: epath.PathLike, nbytes: int) -> None:
+  """OSError naming `directory` when its filesystem has less than `nbytes` free (one more
+  checkpoint must fit before orbax deletes an old one). Skipped where it cannot be asked
+  (object stores)."""
+  try:
+    free = shutil.disk_usage(os.fspath(directory)).free
+  except (OSError, TypeError):
+    return
+  if free < nbytes:
+    raise OSError(f"checkpoint directory {str(directory)!r} has {free / 2**30:.2f} GiB free; "
+                  f"a checkpoint needs {nbytes / 2**30:.2f} GiB")
 
 
 def _encode_data_state(state: DataState):
@@ -106,10 +147,35 @@ def check_shapes(stored: Any, target: Any, *, where: str = "checkpoint") -> None
     raise ValueError(f"{where} does not match the restore target:\n" + "\n".join(shown))
 
 
+def _field(cfg: dict, dotted: str):
+  for key in dotted.split("."):
+    if not isinstance(cfg, dict) or key not in cfg:
+      return "(absent)"
+    cfg = cfg[key]
+  return cfg
+
+
+def check_config(stored: dict, current: dict, fields, *, where: str = "checkpoint") -> None:
+  """IncompatibleCheckpoint naming every dotted field (e.g. "model.d_model") whose value in
+  the `stored` config dict differs from the `current` one."""
+  diff = [f"config.{f}: {_field(stored, f)!r} in the {where}, {_field(current, f)!r} now"
+          for f in fields if _field(stored, f) != _field(current, f)]
+  if diff:
+    raise IncompatibleCheckpoint(
+        f"the {where} was saved with an incompatible config (restore needs these fields "
+        f"unchanged; use a new workdir to start over):\n  " + "\n  ".join(diff))
+
+
+def _short(e: Exception) -> str:
+  """The first line of an exception (tensorstore's run to pages), at most 200 characters."""
+  first = (str(e).strip().splitlines() or [""])[0]
+  return f"{type(e).__name__}: {first[:200]}"
+
+
 class Checkpointer:
   """Saves and restores train state, data iterator state and config under a workdir."""
 
-  STATE, DATA, CONFIG = "state", "data", "config"
+  STATE, DATA, CONFIG, PROGRESS = "state", "data", "config", "progress"
 
   def __init__(self, workdir: epath.PathLike, *, keep: int | None = 3,
                save_every: int = 1, async_save: bool = True):
@@ -119,18 +185,21 @@ class Checkpointer:
     if save_every < 1:
       raise ValueError(f"Checkpointer: save_every must be >= 1, got {save_every}")
     self.save_every = save_every
-    self.directory = check_writable(epath.Path(workdir) / "checkpoints")
+    # Absolute: orbax's tensorstore writer refuses relative paths (`--workdir=runs/x`).
+    self.directory = check_writable(epath.Path(os.path.abspath(workdir)) / "checkpoints")
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep if keep and keep > 0 else None,
         save_interval_steps=1,   # `save` decides (orbax would also save the first step)
         enable_async_checkpointing=async_save,
         create=True,
+        cleanup_tmp_directories=True,   # left by a process killed mid-save
     )
     self._mgr = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={self.STATE: ocp.StandardCheckpointHandler(),
                        self.DATA: ocp.JsonCheckpointHandler(),
-                       self.CONFIG: ocp.JsonCheckpointHandler()})
+                       self.CONFIG: ocp.JsonCheckpointHandler(),
+                       self.PROGRESS: ocp.JsonCheckpointHandler()})
 
   def all_steps(self) -> list[int]:
     """Finalized steps, ascending."""
@@ -152,8 +221,9 @@ class Checkpointer:
     return self._mgr.reached_preemption(step)
 
   def save(self, step: int, state: Any, data_iter_state: DataState = None,
-           config_json: str | None = None, *, force: bool = False) -> bool:
-    """Save `state` (+ the data iterator state and config) at `step` if
+           config_json: str | None = None, *, progress: dict | None = None,
+           force: bool = False) -> bool:
+    """Save `state` (+ the data iterator state, config and progress counters) at `step` if
     `should_save(step)` or `force`; returns whether a save was started. A step that is
     already saved is skipped even when forced. `step` counts completed updates."""
     if step in self._mgr.all_steps() or not (force or self.should_save(step)):
@@ -165,6 +235,8 @@ class Checkpointer:
       items[self.DATA] = ocp.args.JsonSave(encoded)
     if config_json is not None:
       items[self.CONFIG] = ocp.args.JsonSave(json.loads(config_json))
+    if progress is not None:
+      items[self.PROGRESS] = ocp.args.JsonSave(dict(progress))
     return self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
 
   def _has_item(self, step: int, name: str) -> bool:
@@ -194,6 +266,85 @@ class Checkpointer:
     restored = self._mgr.restore(step, args=ocp.args.Composite(**items))
     data = _decode_data_state(restored[self.DATA]) if has_data else None
     return restored[self.STATE], data
+
+  def restore_latest(self, abstract_state: Any, *, config_json: str | None = None,
+                     must_match=()) -> Restored | None:
+    """The newest readable step as Restored(step, state, data, progress); None when the
+    directory holds no checkpoint.
+
+    A step without its commit marker, or whose metadata, config or arrays cannot be read,
+    is moved aside to `<step>.corrupt` and the next older one tried; a warning names both.
+    With `config_json`, the config stored with the step must agree on the dotted fields
+    `must_match` (IncompatibleCheckpoint names each that differs); a stored shape that
+    differs from `abstract_state`'s raises ValueError (see `restore`). Raises
+    FileNotFoundError when checkpoints were saved but none is readable.
+    """
+    self.wait()
+    bad = []
+    for step in reversed(self.all_steps()):
+      try:
+        got = self._restore_checked(step, abstract_state, config_json, must_match)
+      except _Unreadable as e:
+        bad.append(f"step {step} ({e})")
+        self._move_aside(step)
+        continue
+      if bad:
+        logging.warning("checkpoint: %s unreadable, moved aside to <step>%s; restored step %d "
+                        "from %s instead", "; ".join(bad), CORRUPT_SUFFIX, step,
+                        self.directory)
+      return got
+    aside = sorted(p.name for p in self.directory.glob(f"*{CORRUPT_SUFFIX}*"))
+    if bad or aside:
+      raise FileNotFoundError(
+          f"no readable checkpoint in {str(self.directory)!r}: "
+          + "; ".join(bad or [f"unreadable steps moved aside earlier: {', '.join(aside)}"])
+          + "; remove the directory (or the *.corrupt ones) to start from scratch")
+    return None
+
+  def _restore_checked(self, step, abstract_state, config_json, must_match) -> Restored:
+    """Raises _Unreadable for damaged files; mismatches with the target propagate."""
+    path = self.directory / str(step)
+    where = f"checkpoint {str(path)!r}"
+    if not (path / COMMIT_MARKER).exists():
+      raise _Unreadable(f"no {COMMIT_MARKER}: the save did not finish")
+    if config_json is not None and self._has_item(step, self.CONFIG):
+      try:
+        stored = json.loads(self.restore_config(step))
+      except Exception as e:  # noqa: BLE001  (orbax / json / filesystem)
+        raise _Unreadable(f"config: {_short(e)}") from e
+      check_config(stored, json.loads(config_json), must_match, where=where)
+    try:
+      meta = self._mgr.item_metadata(step)[self.STATE]
+    except Exception as e:  # noqa: BLE001
+      raise _Unreadable(f"state metadata: {_short(e)}") from e
+    tree = getattr(meta, "tree", meta)
+    if not tree:
+      raise _Unreadable("state metadata: missing")
+    check_shapes(tree, abstract_state, where=where)
+    items = {self.STATE: ocp.args.StandardRestore(abstract_state)}
+    for name in (self.DATA, self.PROGRESS):
+      if self._has_item(step, name):
+        items[name] = ocp.args.JsonRestore()
+    try:
+      got = self._mgr.restore(step, args=ocp.args.Composite(**items))
+      state = jax.block_until_ready(got[self.STATE])  # a truncated file fails here, not later
+    except Exception as e:  # noqa: BLE001
+      raise _Unreadable(_short(e)) from e
+    data = _decode_data_state(got[self.DATA]) if self.DATA in items else None
+    return Restored(step, state, data, got[self.PROGRESS] if self.PROGRESS in items else None)
+
+  def _move_aside(self, step: int) -> None:
+    """Renames a damaged step out of orbax's view (kept for inspection)."""
+    if jax.process_index() == 0:
+      src = self.directory / str(step)
+      dst = self.directory / f"{step}{CORRUPT_SUFFIX}"
+      n = 1
+      while dst.exists():
+        dst, n = self.directory / f"{step}{CORRUPT_SUFFIX}.{n}", n + 1
+      src.rename(dst)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"k3jax checkpoint {step} moved aside")
+    self._mgr.reload()
 
   def restore_config(self, step: int) -> str | None:
     """The config JSON saved with `step`, or None."""

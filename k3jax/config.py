@@ -40,7 +40,8 @@ def base_config() -> ml_collections.ConfigDict:
   k.gate = "bounded"     # "bounded": lb*sigmoid(exp(A_log)(f+dt_bias)); "softplus": Kimi Linear
   k.gate_lower_bound = -5.0
   k.chunk_size = 64
-  k.backend = "chunk"    # pallas_kernels.kda backend: chunk (pure JAX), naive, kernel (Pallas), interpret, auto
+  # pallas_kernels.kda backend: chunk (pure JAX), naive, kernel (Pallas), interpret, auto
+  k.backend = "chunk"
 
   a = m.mla = ml_collections.ConfigDict()
   a.num_heads = 96
@@ -64,7 +65,8 @@ def base_config() -> ml_collections.ConfigDict:
   e.num_shared = 2
   e.shared_dim = 3_072
   e.routed_scaling = 1.0
-  e.dispatch = "dropless"    # "dropless" (ragged_dot) or "capacity" (fixed buffers)
+  e.dispatch = "dropless"    # "dropless" (ragged_dot), "capacity" (fixed buffers) or
+                             # "expert_parallel" (capacity, all-to-all of z over mesh.expert)
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
   e.balancing = "quantile"   # "quantile" (K3) or "none"
   e.balance_bins = 1_000
@@ -86,6 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
   t.eval_batches = 4
   t.checkpoint_every = 1_000
   t.keep_checkpoints = 3
+  t.max_bad_steps = 10   # this many non-finite (skipped) steps in a row stop the run
   t.grad_clip_norm = 1.0
   t.peak_tflops = 0.0    # per-device peak for the MFU estimate; 0 = detect from the device
 
@@ -123,6 +126,25 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.lock()
   return c
+
+
+# Fields a checkpoint depends on: the shapes and structure of the parameters, the optimizer
+# state and the Quantile-Balancing biases, and what the saved data-iterator position means.
+# A run resumes only under a config that agrees on each (compute dtypes, remat, kernels,
+# learning rate etc. may change). k3jax.checkpoint.check_shapes backs this list up.
+RESTORE_FIELDS = (
+    "seed", "train.seq_len", "data.source", "data.packing",
+    "model.vocab_size", "model.d_model", "model.num_layers", "model.mla_every",
+    "model.final_mla", "model.dense_layers", "model.scan_layers",
+    "model.kda.num_heads", "model.kda.head_dim", "model.kda.conv_size", "model.kda.gate_rank",
+    "model.mla.num_heads", "model.mla.q_lora_rank", "model.mla.kv_lora_rank",
+    "model.mla.qk_nope_dim", "model.mla.qk_rope_dim", "model.mla.v_head_dim",
+    "model.ffn.hidden_dim", "model.ffn.activation",
+    "model.moe.num_experts", "model.moe.expert_dim", "model.moe.latent_dim",
+    "model.moe.num_shared", "model.moe.shared_dim", "model.moe.balancing",
+    "model.attn_res.enabled", "model.attn_res.block_layers",
+    "optimizer.name", "optimizer.muon.per_head", "optimizer.muon.router",
+)
 
 
 class ConfigError(ValueError):
@@ -178,8 +200,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"must be 'quantile' or 'none', got {e.balancing!r}")
   _check(e.balancing != "quantile" or e.top_k < e.num_experts, "model.moe.top_k",
          "quantile balancing needs top_k < num_experts (it reads the (k+1)-th score)")
-  _check(e.dispatch in ("dropless", "capacity"), "model.moe.dispatch",
-         f"must be 'dropless' or 'capacity', got {e.dispatch!r}")
+  from k3jax.model.moe_dispatch import DISPATCHES  # noqa: PLC0415  (the one list of names)
+  _check(e.dispatch in DISPATCHES, "model.moe.dispatch",
+         f"must be one of {DISPATCHES}, got {e.dispatch!r}")
   _check(e.capacity_factor > 0, "model.moe.capacity_factor", "must be positive")
   _check(e.balance_cutoff in ("k_plus_1", "leave_one_out"), "model.moe.balance_cutoff",
          f"must be 'k_plus_1' or 'leave_one_out', got {e.balance_cutoff!r}")
@@ -195,6 +218,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   t = c.train
   _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
   _check(t.global_batch >= 1, "train.global_batch", "must be >= 1")
+  _check(t.max_bad_steps >= 1, "train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
   o = c.optimizer
   from k3jax.optim import OPTIMIZERS  # noqa: PLC0415  (the registry is the one list of names)
   _check(o.name in OPTIMIZERS, "optimizer.name",

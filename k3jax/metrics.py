@@ -4,7 +4,8 @@
   <workdir>/metrics.jsonl   one JSON object per call, {"step": s, "wall_time": t, **scalars},
                             opened in append mode so a resumed run continues the file (a
                             resumed run may repeat steps written after its last checkpoint;
-                            readers keep the last line per step). Non-finite values are
+                            readers keep the last line per step; a line cut short by a kill
+                            is dropped on open). Non-finite values are
                             written as NaN / Infinity, which Python's json and pandas read.
   <workdir>/tensorboard/    TensorBoard event files (one new file per process start).
 
@@ -59,7 +60,9 @@ class MetricWriter:
     if not enabled:
       return
     os.makedirs(self.workdir, exist_ok=True)
-    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+    _drop_partial_line(self.jsonl_path)
+    # Line-buffered: each record is one write, so a killed process leaves whole lines.
+    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
     if tensorboard:
       from tensorboardX import SummaryWriter  # noqa: PLC0415  (only the writing process)
       self._tb = SummaryWriter(logdir=self.tb_dir, flush_secs=30)
@@ -101,6 +104,17 @@ class MetricWriter:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def _drop_partial_line(path: str) -> None:
+  """Cut a last line without its newline (a process killed mid-write) so appends stay valid."""
+  try:
+    with open(path, "rb+") as f:
+      data = f.read()
+      if data and not data.endswith(b"\n"):
+        f.truncate(data.rfind(b"\n") + 1)
+  except FileNotFoundError:
+    pass
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

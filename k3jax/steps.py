@@ -2,8 +2,8 @@
 
 Pure functions over (params, rest, opt_state, batch), jitted by the caller (`k3jax.train`,
 the benchmarks). `params` is the model's `nnx.Param` state and `rest` its other state (the
-Quantile-Balancing biases), both pure (`nnx.as_pure`: arrays, no Variables); a batch holds "inputs", "targets", "segment_ids" [B, T] int32
-and "weights" [B, T] float32.
+Quantile-Balancing biases), both pure (`nnx.as_pure`: arrays, no Variables); a batch holds
+"inputs", "targets", "segment_ids" [B, T] int32 and "weights" [B, T] float32.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
 
   After the optimizer update the step applies what lives outside the gradient: the
   Quantile-Balancing bias update and QK-Clip (tau = qk_clip_tau; 0 only reports).
+
+  A step whose loss or gradient is not finite changes nothing: params, optimizer state and
+  biases come back as they went in, and out["skipped"] is 1 (0 otherwise).
   """
 
   def loss_fn(params, rest, batch):
@@ -35,15 +38,21 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
 
   def train_step(params, rest, opt_state, batch):
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    model = nnx.merge(graphdef, params, rest)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # one NaN/Inf anywhere poisons the norm
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    model = nnx.merge(graphdef, optax.apply_updates(params, updates), rest)
     load = model.update_balance(aux)
     clip = model.qk_clip(aux, qk_clip_tau)
-    params = nnx.as_pure(nnx.state(model, nnx.Param))
-    rest = nnx.as_pure(nnx.state(model, nnx.Not(nnx.Param)))
-    out = {"loss": loss, "grad_norm": optax.global_norm(grads),
-           "param_norm": optax.global_norm(params), **load, **clip}
+
+    def keep(new, old):  # a select, not a branch: both sides exist anyway; it fuses in place
+      return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    params = keep(nnx.as_pure(nnx.state(model, nnx.Param)), params)
+    rest = keep(nnx.as_pure(nnx.state(model, nnx.Not(nnx.Param))), rest)
+    opt_state = keep(new_opt_state, opt_state)
+    out = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.global_norm(params),
+           "skipped": (~finite).astype(jnp.int32), **load, **clip}
     return params, rest, opt_state, out
 
   def eval_step(params, rest, batch):

@@ -3,30 +3,41 @@
   python -m k3jax.train --config=experiments/k3_tiny.py --workdir=/tmp/k3_tiny
   python -m k3jax.train --config=experiments/k3_tiny.py --workdir=/tmp/x --config.train.steps=50
 
-Rerunning the same command with the same workdir resumes from its latest checkpoint.
+Rerunning the same command with the same workdir resumes from its latest checkpoint, with
+the same batches: a run killed at any moment (kill -9 included) and rerun trains exactly as
+an uninterrupted one. SIGTERM (a preemption) saves a checkpoint at the end of the current
+step and exits cleanly; a step with a non-finite loss or gradient is skipped, and
+`train.max_bad_steps` of them in a row stop the run.
+
+Several processes (TPU pod, GKE, SLURM; `launch/`) all run the same command; the runtime
+starts from the cluster's environment or from --coordinator_address, --num_processes,
+--process_id (see k3jax/parallel/distributed.py).
 """
 
 from __future__ import annotations
 
-import functools
+import signal
 import threading
 import time
 
 import jax
 import numpy as np
 from absl import app, flags, logging
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from k3jax import checkpoint, flops, metrics, optim, parallel
-from k3jax.steps import make_steps
-from k3jax import cli
+from k3jax import checkpoint, cli, flops, memory, metrics, optim, parallel, program
 from k3jax import config as k3config
 from k3jax import data as k3data
-from k3jax.model import K3Model, axes
+from k3jax.model import K3Model
+from k3jax.parallel import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
 flags.mark_flags_as_required(["config", "workdir"])  # config: k3jax.cli
+# Multi-process runs (k3jax.parallel.distributed); unset: the environment or the cluster's.
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process' index.")
+_LOCAL_DEVICES = flags.DEFINE_list("local_device_ids", None, "Devices this process uses.")
 
 def say(msg: str):
   """Announce a set-up phase or a result (process 0 only)."""
@@ -58,6 +69,74 @@ class Heartbeat:
     self._stop.set()
 
 
+class Preemption:
+  """SIGTERM asks for a checkpoint at the end of the current step and a clean exit.
+
+  One process: a signal handler sets a flag. Several: jax.distributed's preemption service
+  takes the notice, and `reached_preemption_sync_point` (through orbax) has every process
+  stop after the same step.
+  """
+
+  def __init__(self):
+    self.signalled, self._previous = False, None
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.signalled = True
+
+  def reached(self, step: int, ckpt: checkpoint.Checkpointer) -> bool:
+    if jax.process_count() > 1:
+      return ckpt.reached_preemption(step)
+    return self.signalled
+
+  def close(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+
+class BadSteps:
+  """Counts the steps the train step skipped (non-finite loss or gradient); `limit` in a row
+  raise FloatingPointError naming the step and the newest checkpoint of `ckpt`.
+
+  `add` reads each step's out["skipped"] flag one step late, so the host never waits for
+  the step it just dispatched; `settle` reads the rest (before a log line or a save).
+  """
+
+  def __init__(self, limit: int, ckpt: checkpoint.Checkpointer, skipped: int = 0,
+               bad_run: int = 0):
+    self.limit, self.ckpt = limit, ckpt
+    self.skipped, self.bad_run = skipped, bad_run
+    self._pending = []
+
+  def add(self, step: int, flag: jax.Array):
+    self._pending.append((step, flag))
+    self.settle(keep=1)
+
+  def settle(self, keep: int = 0):
+    while len(self._pending) > keep:
+      step, flag = self._pending.pop(0)
+      if not int(np.asarray(jax.device_get(flag))):
+        self.bad_run = 0
+        continue
+      self.skipped, self.bad_run = self.skipped + 1, self.bad_run + 1
+      say(f"step {step}: non-finite loss or gradient, update skipped "
+          f"({self.bad_run} in a row, {self.skipped} in all)")
+      if self.bad_run >= self.limit:
+        self.ckpt.wait()
+        good = self.ckpt.latest_step()
+        raise FloatingPointError(
+            f"step {step}: {self.bad_run} steps in a row with a non-finite loss or gradient "
+            f"(config.train.max_bad_steps={self.limit}); stopping. Last good checkpoint: "
+            + (f"step {good} in {str(self.ckpt.directory)!r}" if good is not None
+               else "none (nothing saved yet)"))
+
+  def progress(self) -> dict:
+    return {"skipped": self.skipped, "bad_run": self.bad_run}
+
+
 def put_batch(batch: dict, sharding: NamedSharding) -> dict:
   """Places this process' rows of the global batch on the mesh."""
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
@@ -83,62 +162,46 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
 
   mesh = parallel.make_mesh(cfg.mesh)
-  batch_sharding = NamedSharding(mesh, parallel.batch_spec())
-  data_ways = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-  if t.global_batch % data_ways:
-    raise k3config.ConfigError(f"config.train.global_batch: {t.global_batch} rows do not split "
-                               f"over the {data_ways} data-parallel devices (data x fsdp x expert)")
-  say(f"mesh: {dict(mesh.shape)}; batch sharded as {batch_sharding.spec}")
-
   say("model: building (abstract) ...")
-  abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
-  graphdef, abs_vars, abs_rest_vars = nnx.split(abstract, nnx.Param, ...)
-  parallel.check_divisible(abs_vars, mesh)
-  parallel.check_divisible(abs_rest_vars, mesh)
-  n_params = sum(x.size for x in jax.tree.leaves(abs_vars))
-  tx, schedule = optim.make_optimizer(cfg, abs_vars, mesh=mesh,
-                                      param_specs=parallel.param_specs(abs_vars))
-  say(f"optimizer: {optim.describe(cfg, abs_vars)}")
+  prog = program.build(cfg, mesh)
+  batch_sharding = prog.batch_sharding
+  say(f"mesh: {dict(mesh.shape)}; batch sharded as {batch_sharding.spec}")
+  say(f"optimizer: {optim.describe(cfg, prog.abstract_params)}")
   fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
-  say(f"model: {n_params:,} parameters; {fpt / 1e9:.3f} GFLOP/token (train, analytic); "
+  say(f"model: {prog.num_params:,} parameters; {fpt / 1e9:.3f} GFLOP/token (train, analytic); "
       f"layers {K3Model.__name__} {cfg.model.num_layers}, d {cfg.model.d_model}, "
       f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}")
-  param_sh, opt_sh = parallel.state_shardings(mesh, tx, abs_vars)
-  rest_sh = parallel.shardings(mesh, abs_rest_vars)
-  state_sh = (param_sh, rest_sh, opt_sh)
-
-  @functools.partial(jax.jit, out_shardings=state_sh)
-  def init():  # every array is created where it lives: nothing full-size on one device
-    model = K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    _, params, rest = nnx.split(model, nnx.Param, ...)
-    params, rest = nnx.as_pure(params), nnx.as_pure(rest)
-    return params, rest, tx.init(params)
-
-  abs_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                           jax.eval_shape(init), state_sh)
+  abs_state, init = prog.abstract_state, prog.init
+  capacity = memory.hbm_bytes(jax.devices()[0])  # None on CPU: nothing to check
+  memory.check_state_fits(prog, capacity)
+  checkpoint.check_free_space(ckpt.directory, prog.state_bytes)
+  train_step, eval_step, schedule = prog.train_step, prog.eval_step, prog.schedule
+  if capacity is not None:  # compile before any state exists; refuse a step that cannot fit
+    say("train step: compiling to check its memory ...")
+    report, train_step = memory.compile_report(prog)
+    say("\n".join(report.lines()))
+    memory.check_fits(report)
   ds = k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
                            seed=cfg.seed, process_index=jax.process_index(),
                            process_count=jax.process_count())
   data_iter = iter(ds)
 
-  step = ckpt.latest_step()
-  if step is None:
+  config_json = cfg.to_json()
+  restored = ckpt.restore_latest(abs_state, config_json=config_json,
+                                 must_match=k3config.RESTORE_FIELDS)
+  if restored is None:
     say("init: fresh parameters")
     params, rest, opt_state = init()
-    step = 0
+    step, bad = 0, BadSteps(t.max_bad_steps, ckpt)
   else:
+    step = restored.step
     say(f"restore: step {step} from {workdir}")
-    (params, rest, opt_state), data_state = ckpt.restore(step, abs_state)
-    if data_state is None:
+    params, rest, opt_state = restored.state
+    if restored.data is None:
       raise ValueError(f"checkpoint {step} in {workdir} holds no data-iterator state")
-    data_iter.set_state(data_state)
-  config_json = cfg.to_json()
+    data_iter.set_state(restored.data)
+    bad = BadSteps(t.max_bad_steps, ckpt, **(restored.progress or {}))
 
-  train_step, eval_step = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau)
-  with axes.use_rules(mesh, parallel.RULES):
-    train_step = jax.jit(train_step, donate_argnums=(0, 1, 2),
-                         out_shardings=(*state_sh, None))
-    eval_step = jax.jit(eval_step)
 
   local_batch = t.global_batch // jax.process_count()
   tokens_per_step = t.global_batch * t.seq_len
@@ -148,50 +211,63 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   say(f"train: steps {step} -> {t.steps}, log every {t.log_every}, eval every {t.eval_every}, "
       f"checkpoint every {t.checkpoint_every}, workdir {workdir}")
 
-  heartbeat = Heartbeat()
+  heartbeat, preemption = Heartbeat(), Preemption()
   window_t0, window_steps, run_t0, run_steps = time.time(), 0, time.time(), 0
   pending = None
   last = t.steps if stop_after is None else min(t.steps, step + stop_after)
-  while step < last:
-    batch = put_batch(next(data_iter), batch_sharding)
-    heartbeat.start(f"step {step + 1}" + (" (compiling)" if run_steps == 0 else ""))
-    with axes.use_rules(mesh, parallel.RULES):
-      params, rest, opt_state, out = train_step(params, rest, opt_state, batch)
-    step += 1
-    run_steps += 1
-    window_steps += 1
-    pending = out
-    if step % t.log_every == 0 or step == last:
-      out = jax.device_get(pending)
-      heartbeat.done()
-      dt = time.time() - window_t0
-      tok_s = window_steps * tokens_per_step / dt
-      scalars = {k: float(np.asarray(v)) for k, v in out.items()}
-      scalars.update(tokens_per_sec=tok_s, lr=float(schedule(step - 1)), step_time=dt / window_steps)
-      if peak:
-        scalars["mfu"] = flops.mfu(tok_s / jax.device_count(), fpt, peak)
-      eta = (t.steps - step) * dt / window_steps
-      say(f"step {step:>6}/{t.steps}  loss {scalars['loss']:.4f}  "
-          f"grad_norm {scalars['grad_norm']:.3f}  lr {scalars['lr']:.2e}  "
-          f"{tok_s:,.0f} tok/s  " + (f"mfu {scalars['mfu']:.1%}  " if peak else "")
-          + f"moe max/mean {scalars.get('moe_max_load', float('nan')):.2f}  "
-          f"eta {metrics.format_duration(eta)}")
-      writer.write_scalars(step, scalars)
-      window_t0, window_steps = time.time(), 0
-    if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-      heartbeat.start(f"eval at step {step}")
-      with axes.use_rules(mesh, parallel.RULES):
-        loss = evaluate(cfg, eval_step, params, rest, batch_sharding)
-      heartbeat.done()
-      say(f"eval  {step:>6}  held-out loss {loss:.4f}")
-      writer.write_scalars(step, {"eval_loss": loss})
-      window_t0 = time.time()
-    if step % t.checkpoint_every == 0 or step == last:
-      ckpt.save(step, (params, rest, opt_state), data_iter.get_state(), config_json, force=True)
-  heartbeat.close()
-  ckpt.wait()
-  ckpt.close()
-  writer.close()
+  try:
+    while step < last:
+      batch = put_batch(next(data_iter), batch_sharding)
+      heartbeat.start(f"step {step + 1}" + (" (compiling)" if run_steps == 0 else ""))
+      with prog.rules():
+        params, rest, opt_state, out = train_step(params, rest, opt_state, batch)
+      step += 1
+      run_steps += 1
+      window_steps += 1
+      pending = out
+      bad.add(step, out["skipped"])
+      if step % t.log_every == 0 or step == last:
+        bad.settle()
+        out = jax.device_get(pending)
+        heartbeat.done()
+        dt = time.time() - window_t0
+        tok_s = window_steps * tokens_per_step / dt
+        scalars = {k: float(np.asarray(v)) for k, v in out.items()}
+        scalars["skipped"] = bad.skipped  # the running total, not this step's flag
+        scalars.update(tokens_per_sec=tok_s, lr=float(schedule(step - 1)),
+                       step_time=dt / window_steps)
+        if peak:
+          scalars["mfu"] = flops.mfu(tok_s / jax.device_count(), fpt, peak)
+        eta = (t.steps - step) * dt / window_steps
+        say(f"step {step:>6}/{t.steps}  loss {scalars['loss']:.4f}  "
+            f"grad_norm {scalars['grad_norm']:.3f}  lr {scalars['lr']:.2e}  "
+            f"{tok_s:,.0f} tok/s  " + (f"mfu {scalars['mfu']:.1%}  " if peak else "")
+            + f"moe max/mean {scalars.get('moe_max_load', float('nan')):.2f}  "
+            f"eta {metrics.format_duration(eta)}")
+        writer.write_scalars(step, scalars)
+        window_t0, window_steps = time.time(), 0
+      if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+        heartbeat.start(f"eval at step {step}")
+        with prog.rules():
+          loss = evaluate(cfg, eval_step, params, rest, batch_sharding)
+        heartbeat.done()
+        say(f"eval  {step:>6}  held-out loss {loss:.4f}")
+        writer.write_scalars(step, {"eval_loss": loss})
+        window_t0 = time.time()
+      preempted = preemption.reached(step, ckpt)
+      if step % t.checkpoint_every == 0 or step == last or preempted:
+        bad.settle()
+        writer.flush()  # the metrics of every saved step survive a kill after the commit
+        ckpt.save(step, (params, rest, opt_state), data_iter.get_state(), config_json,
+                  progress=bad.progress(), force=True)
+      if preempted:
+        say(f"preempted: saved step {step}; rerun the same command to continue")
+        break
+  finally:
+    preemption.close()
+    heartbeat.close()
+    ckpt.close()   # waits for the saves in flight
+    writer.close()
   say(f"done: step {step}, {run_steps} steps this run in "
       f"{metrics.format_duration(time.time() - run_t0)}")
   return params, rest
@@ -212,6 +288,8 @@ def evaluate(cfg, eval_step, params, rest, sharding) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                         _LOCAL_DEVICES.value)
   train(cli.CONFIG.value, _WORKDIR.value)
 
 

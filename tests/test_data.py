@@ -1,6 +1,5 @@
 """Tests of k3jax.data: tokenizer, embedded corpus, grain pipeline."""
 
-import collections
 import json
 import math
 
@@ -165,29 +164,23 @@ def test_epochs_are_reshuffled():
   assert first != second and sorted(first) == sorted(second)
 
 
-def test_processes_read_disjoint_pieces_covering_an_epoch():
-  seq = 512
-  pieces = data.document_pieces(data.default_documents("train"), TOK, seq)
-  every = collections.Counter(_key(p["inputs"], p["targets"]) for p in pieces)
-  # The piece stream: global index i of the first epoch goes to process i % 2.
-  got = []
-  for p in range(2):
-    ds = data.piece_dataset(_cfg(), seq_len=seq, seed=5, process_index=p, process_count=2)
-    got.append(collections.Counter(
-        _key(ds[k]["inputs"], ds[k]["targets"]) for k in range((len(pieces) - p + 1) // 2)))
-  assert got[0] + got[1] == every
-  # The packed batches of a one-epoch run hold the same pieces, each once.
-  got = []
-  for p in range(2):
-    ds = data.make_dataset(_cfg(), seq_len=seq, global_batch=8, seed=5, process_index=p,
-                           process_count=2, num_epochs=1)
-    c = collections.Counter()
-    for b in ds:
-      assert b["inputs"].shape == (4, seq)
-      c.update(_key(i, t) for i, t, _ in _segments(b))
-    got.append(c)
-  assert got[0] + got[1] == every
-  assert abs(sum(got[0].values()) - sum(got[1].values())) <= 1
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_processes_split_the_one_process_batches(packing):
+  # Process p of n holds rows [p * 8 / n, (p + 1) * 8 / n) of the one-process batch, for
+  # every n: runs under any process count see the same global batches, and their iterators
+  # are at the same position (what the checkpoint stores for all of them).
+  make = lambda p, n: iter(data.make_dataset(_cfg(packing), seq_len=SEQ, global_batch=8,
+                                             seed=5, process_index=p, process_count=n))
+  whole = make(0, 1)
+  shards = {n: [make(p, n) for p in range(n)] for n in (2, 4)}
+  for _ in range(3):
+    want = next(whole)
+    for n, its in shards.items():
+      got = [next(it) for it in its]
+      for k in data.FEATURES:
+        np.testing.assert_array_equal(np.concatenate([g[k] for g in got]), want[k],
+                                      err_msg=f"{k}, {n} processes")
+      assert all(it.get_state() == whole.get_state() for it in its)
 
 
 @pytest.mark.parametrize("packing", PACKINGS)

@@ -1,6 +1,7 @@
 """Meshes and sharding rules (k3jax.parallel): the micro model's loss and gradients under
-several meshes of 8 simulated devices equal the single-device run; parameters live where
-the rules say; impossible meshes are refused with the field named."""
+several meshes of 8 simulated devices equal the single-device run (also with the
+expert-parallel MoE dispatch); parameters live where the rules say; impossible meshes are
+refused with the field named."""
 
 import functools
 
@@ -62,10 +63,19 @@ def _problem():
   return graphdef, params, rest, batch, float(loss), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
-def test_sharded_loss_and_grads_equal_single_device(sizes):
+@pytest.mark.parametrize("sizes,dispatch", [(s, "dropless") for s in MESHES] + [
+    (dict(expert=2, fsdp=2, tensor=2), "expert_parallel")],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()))
+def test_sharded_loss_and_grads_equal_single_device(sizes, dispatch):
+  """expert_parallel: the capacity buffers moved by all-to-alls over the expert axis, with
+  room for every pair (capacity_factor = E / k), so the single-device dropless run is the
+  reference (tests/test_expert_parallel.py pins it to the capacity dispatch, drops and all)."""
   graphdef, params, rest, batch, loss1, grads1 = _problem()
   cfg = _mesh_cfg(**sizes)
+  if dispatch != "dropless":
+    m = cfg.model
+    m.moe.dispatch, m.moe.capacity_factor = dispatch, m.moe.num_experts / m.moe.top_k
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))))
   mesh = parallel.make_mesh(cfg.mesh)
   param_sh = parallel.shardings(mesh, params)
   rest_sh = parallel.shardings(mesh, rest)
@@ -89,7 +99,8 @@ def test_parameters_live_where_the_rules_say():
   model = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0)))
   specs = nnx.to_pure_dict(parallel.param_specs(nnx.state(model, nnx.Param)))
   cyc = specs["cycles"]["layers"][0]
-  assert cyc["mixer"]["q_proj"]["kernel"] == P(None, "fsdp", "tensor", None)   # layers, embed, heads
+  # layers, embed, heads, head_dim
+  assert cyc["mixer"]["q_proj"]["kernel"] == P(None, "fsdp", "tensor", None)
   assert cyc["ffn"]["w_g"] == P(None, "expert", "fsdp", "tensor")            # layers, experts, ...
   assert specs["embed"] == P("tensor", "fsdp")                                # vocab, embed
   assert parallel.batch_spec() == P(("data", "fsdp", "expert"), None)

@@ -4,8 +4,14 @@
     -> per document: inputs = tok[:-1], targets = tok[1:]
     -> pieces of at most seq_len (each piece is its own segment)
     -> global shuffle with `seed`, reshuffled every epoch -> repeat
-    -> process shard: process p reads global pieces p, p + n, p + 2n, ...
-    -> packing into rows of seq_len -> batches of local_batch rows
+    -> packing into rows of seq_len -> global batches of global_batch rows
+    -> process shard: process p of n keeps rows [p * local_batch, (p + 1) * local_batch)
+
+The global batches do not depend on the number of processes: 2 processes x 4 devices train
+on the very batches of 1 process x 8, and since every process is at the same position,
+any one's iterator state (the checkpoint stores process 0's) resumes a run under any
+process count. The price: every process packs the whole global batch (numpy work, small
+next to a step).
 
 Every element is a dict of numpy arrays, each [local_batch, seq_len]:
   inputs       int32   token ids fed to the model
@@ -92,23 +98,17 @@ def piece_dataset(
     *,
     seq_len: int,
     seed: int,
-    process_index: int = 0,
-    process_count: int = 1,
     split: str = "train",
     num_epochs: int | None = None,
 ) -> grain.MapDataset:
-  """The shuffled, repeated, process-sharded stream of pieces, before packing.
+  """The shuffled, repeated stream of pieces, before packing (the same on every process).
 
-  Global piece i of epoch e sits at global index e * num_pieces + i; process p
-  gets global indices p, p + process_count, ... So within one epoch the
-  processes read disjoint pieces that together are all of them.
+  Piece i of epoch e sits at index e * num_pieces + i.
   """
   if seq_len < 2:
     raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-  _check_process(process_index, process_count)
   pieces = document_pieces(_documents(cfg, split), ByteTokenizer(), seq_len)
-  ds = grain.MapDataset.source(pieces).shuffle(seed=seed).repeat(num_epochs)
-  return ds[process_index::process_count]
+  return grain.MapDataset.source(pieces).shuffle(seed=seed).repeat(num_epochs)
 
 
 class _RestoreSliceTuples(grain.IterDataset):
@@ -148,9 +148,9 @@ def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   }
 
 
-def _stack_rows(rows: Sequence[dict[str, np.ndarray]], local_batch: int) -> dict[str, np.ndarray]:
-  """Stack rows into [local_batch, seq_len]; a short last batch gets all-padding rows."""
-  pad = local_batch - len(rows)
+def _stack_rows(rows: Sequence[dict[str, np.ndarray]], batch: int) -> dict[str, np.ndarray]:
+  """Stack rows into [batch, seq_len]; a short last batch gets all-padding rows."""
+  pad = batch - len(rows)
   return {k: np.pad(np.stack([r[k] for r in rows]), ((0, pad), (0, 0))) for k in FEATURES}
 
 
@@ -165,12 +165,11 @@ def make_dataset(
     split: str = "train",
     num_epochs: int | None = None,
 ) -> grain.IterDataset:
-  """Packed batches of `global_batch // process_count` rows for this process.
+  """This process' `global_batch // process_count` rows of each global batch.
 
   `num_epochs=None` repeats forever (training); an integer gives a finite
   stream (e.g. 1 for one pass over the validation split) whose last batch is
-  filled up with all-padding rows. With a finite stream, processes may get
-  different numbers of batches.
+  filled up with all-padding rows.
   """
   _check_process(process_index, process_count)
   if global_batch < 1 or global_batch % process_count:
@@ -178,16 +177,17 @@ def make_dataset(
         f"global_batch={global_batch} must be a positive multiple of "
         f"process_count={process_count}")
   local_batch = global_batch // process_count
-  ds = piece_dataset(cfg, seq_len=seq_len, seed=seed, process_index=process_index,
-                     process_count=process_count, split=split, num_epochs=num_epochs)
+  ds = piece_dataset(cfg, seq_len=seq_len, seed=seed, split=split, num_epochs=num_epochs)
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   lengths = {"inputs": seq_len, "targets": seq_len}
   if cfg.packing == "first_fit":
-    # local_batch bins: every piece fits an empty bin, so each flush is one full batch.
+    # global_batch bins: every piece fits an empty bin, so each flush is one full batch.
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct=lengths, num_packing_bins=local_batch, shuffle_bins=False)
+        ds, length_struct=lengths, num_packing_bins=global_batch, shuffle_bins=False)
   else:
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
     ds = _RestoreSliceTuples(ds)
   ds = ds.map(_row)
-  return ds.batch(local_batch, batch_fn=functools.partial(_stack_rows, local_batch=local_batch))
+  ds = ds.batch(global_batch, batch_fn=functools.partial(_stack_rows, batch=global_batch))
+  rows = slice(process_index * local_batch, (process_index + 1) * local_batch)
+  return ds.map(lambda batch: {k: v[rows] for k, v in batch.items()})

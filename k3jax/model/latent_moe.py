@@ -6,15 +6,17 @@
   u = sum_{j in T} p_j * routed_scaling * E_j(z)     combined in the latent (fp32)
   y = sum_shared GLU(x) + RMSNorm(u) W_up [B, T, d]
 
-Two dispatches map z and the routing to u (the piece an expert-parallel all-to-all
-replaces), chosen by `moe.dispatch`:
+A dispatch maps z and the routing to u, chosen by `moe.dispatch` (`moe_dispatch.py`,
+`expert_parallel.py`):
   "dropless": the (token, slot) pairs are sorted by expert and the experts run as grouped
       matmuls (`jax.lax.ragged_dot`): exact, fast where ragged_dot lowers natively (TPU);
   "capacity": each expert gets a fixed buffer of ceil(capacity_factor * T k / E) rows per
       sequence and runs as one batched matmul; pairs beyond a buffer are dropped (counted
       in aux["dropped"]), later positions first, so dispatch stays causal. Dense-rate
       matmuls on every backend; packed documents can still take buffer space from later
-      documents of the same row, so only "dropless" makes them fully independent.
+      documents of the same row, so only "dropless" makes them fully independent;
+  "expert_parallel": "capacity" under `shard_map` on the active mesh, experts split over
+      the `expert` axis and an explicit all-to-all of the latent buffers; the same result.
 
 The bias is a `BalanceBias` variable, not a parameter: the train step sums the returned
 histograms `aux["counts"]` over microbatches (and data-parallel devices) and calls
@@ -23,91 +25,37 @@ histograms `aux["counts"]` over microbatches (and data-parallel devices) and cal
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
+from k3jax.model import axes
 from k3jax.model import quantile_balancing as qb
 from k3jax.model.axes import constrain
+from k3jax.model.expert_parallel import expert_parallel_moe
 from k3jax.model.layers import Dense, RMSNorm, normal, param
+from k3jax.model.moe_dispatch import (DISPATCHES, batched_glu_experts, capacity_moe,
+                                      dropless_moe, ragged_glu_experts)
 from k3jax.model.situ_glu import GLUMLP, glu_activation
 
-ExpertsFn = Callable[[jax.Array, jax.Array], jax.Array]
 
+def route_per_device(scores: jax.Array, bias: jax.Array, k: int):
+  """`qb.route` (scores [N, E], rows split like the batch; bias [E]) on each device's own
+  tokens under the mesh of `axes.use_rules`; plain `qb.route` without one.
 
-def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: ExpertsFn,
-                 num_experts: int) -> jax.Array:
-  """u = sum_k weights[:, k] * experts(z)[token, idx[:, k]] without dropping tokens.
-
-  z: [N, L]; idx: [N, k] int32; weights: [N, k] fp32. `experts(rows, group_sizes)` maps
-  rows [N*k, L] sorted by expert (group_sizes [E] rows per expert, in expert order) to
-  [N*k, L]. Returns u [N, L] fp32.
+  XLA's partitioner does not split top_k along the batch: under jit alone it all-gathers
+  every token's scores [N, E] to every device (seen on CPU, GSPMD and Shardy alike).
   """
-  n, k = idx.shape
-  flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
-  order = jnp.argsort(flat, stable=True)  # [N*k] pair positions grouped by expert
-  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-  out_sorted = experts(jnp.take(z, order // k, axis=0), group_sizes)  # [N*k, L]
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
-  out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, -1)  # [N, k, L]
-  return jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32), out.astype(jnp.float32))
-
-
-def _rank_in_expert(flat: jax.Array, num_experts: int) -> jax.Array:
-  """[M] position of each pair among the pairs of its group (expert), in pair order."""
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=num_experts)
-  starts = jnp.cumsum(sizes) - sizes  # [E] first sorted position of each expert
-  rank_sorted = jnp.arange(flat.shape[0]) - starts[flat[order]]
-  return jnp.zeros_like(flat).at[order].set(rank_sorted.astype(flat.dtype))
-
-
-def capacity_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: jax.Array,
-                 w_u: jax.Array, w_d: jax.Array, act, dtype, num_rows: int, capacity: int):
-  """Fixed-buffer dispatch: u = sum_k weights * E_idx(z) over the pairs that fit.
-
-  z: [N, L] with N = num_rows * T tokens, row-major; idx, weights: [N, k]; w_g, w_u:
-  [E, L, H]; w_d: [E, H, L]. Each expert takes at most `capacity` pairs from each row,
-  earlier positions first, so whether a token is dropped depends only on earlier tokens
-  of its own sequence: dispatch stays causal and rows never affect each other.
-  Returns (u [N, L] fp32, kept [N, k] bool).
-  """
-  n, k = idx.shape
-  num_experts = w_g.shape[0]
-  row = jnp.arange(n * k) // (n // num_rows * k)  # [N*k] sequence of each pair
-  group = row * num_experts + idx.reshape(-1)  # [N*k] (row, expert) buffer of each pair
-  rank = _rank_in_expert(group, num_rows * num_experts)
-  kept = rank < capacity
-  slot = jnp.where(kept, group * capacity + rank, num_rows * num_experts * capacity)
-  pairs_in = jnp.repeat(z.astype(dtype), k, axis=0)  # [N*k, L], pair order
-  buf = jnp.zeros((num_rows * num_experts * capacity, z.shape[-1]), dtype)
-  buf = buf.at[slot].set(pairs_in, mode="drop")  # overflow slot: dropped
-  buf = buf.reshape(num_rows, num_experts, capacity, -1).swapaxes(0, 1)  # [E, rows, C, L]
-  g = jnp.einsum("erck,ekh->erch", buf, w_g.astype(dtype))
-  v = jnp.einsum("erck,ekh->erch", buf, w_u.astype(dtype))
-  out = jnp.einsum("erch,ehk->erck", act(g, v).astype(dtype), w_d.astype(dtype))
-  out = out.swapaxes(0, 1).reshape(num_rows * num_experts * capacity, -1)
-  pairs = out.at[slot].get(mode="fill", fill_value=0)  # [N*k, L]; dropped pairs give 0
-  u = jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32),
-                 pairs.reshape(n, k, -1).astype(jnp.float32))
-  return u, kept.reshape(n, k)
-
-
-def ragged_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act, dtype) -> ExpertsFn:
-  """Grouped GLU experts: rows [M, L] sorted by expert -> [M, L] in `dtype`.
-
-  w_g, w_u: [E, L, H]; w_d: [E, H, L]; act: the fp32 GLU activation (g, v) -> h.
-  """
-  def run(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    rows = rows.astype(dtype)
-    g = jax.lax.ragged_dot(rows, w_g.astype(dtype), group_sizes)  # [M, H]
-    v = jax.lax.ragged_dot(rows, w_u.astype(dtype), group_sizes)  # [M, H]
-    h = act(g, v).astype(dtype)
-    return jax.lax.ragged_dot(h, w_d.astype(dtype), group_sizes)  # [M, L]
-  return run
+  mesh = axes.current_mesh()
+  if mesh is None:
+    return qb.route(scores, bias, k)
+  rows = PartitionSpec(axes.logical_to_spec(("batch",))[0])
+  return jax.shard_map(functools.partial(qb.route, k=k), mesh=mesh,
+                       in_specs=(rows, PartitionSpec()), out_specs=rows)(scores, bias)
 
 
 class LatentMoE(nnx.Module):
@@ -132,6 +80,8 @@ class LatentMoE(nnx.Module):
       raise ValueError(f"moe.balancing must be 'quantile' or 'none', got {e.balancing!r}")
     self.balancing, self.balance_bins = e.balancing, e.balance_bins
     self.balance_cutoff = e.balance_cutoff
+    if e.dispatch not in DISPATCHES:
+      raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {e.dispatch!r}")
     self.dispatch, self.capacity_factor = e.dispatch, float(e.capacity_factor)
     self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
 
@@ -165,21 +115,28 @@ class LatentMoE(nnx.Module):
     x = x.astype(self.dtype)
     quantile = self.balancing == "quantile"
     bias = self.bias[...] if quantile else jnp.zeros((n_exp,), jnp.float32)
-    idx, weights, alpha = qb.route(scores, bias, k)  # [N, k], [N, k], [N]
+    idx, weights, alpha = route_per_device(scores, bias, k)  # [N, k], [N, k], [N]
 
     z = constrain(self.w_down(x), ("batch", "seq", "latent"))  # [B, T, L]
     act = glu_activation(self.activation, self.b1, self.b2)
     flat_valid = valid.reshape(n)
     w = weights * self.routed_scaling
-    if self.dispatch == "capacity":
-      capacity = max(1, math.ceil(self.capacity_factor * t * k / n_exp))  # per row
-      u, kept = capacity_moe(z.reshape(n, -1), idx, w, self.w_g[...], self.w_u[...],
-                             self.w_d[...], act, self.dtype, b, capacity)
-      dropped = jnp.sum(~kept & flat_valid[:, None], dtype=jnp.int32)
-    else:
+    if self.dispatch == "dropless":
       experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype)
       u = dropless_moe(z.reshape(n, -1), idx, w, experts, n_exp)
       dropped = jnp.zeros((), jnp.int32)
+    else:
+      capacity = max(1, math.ceil(self.capacity_factor * t * k / n_exp))  # per row
+      if self.dispatch == "expert_parallel":
+        u, kept = expert_parallel_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k),
+                                      self.w_g[...], self.w_u[...], self.w_d[...], act,
+                                      self.dtype, capacity)
+      else:
+        experts = batched_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act,
+                                      self.dtype)
+        u, kept = capacity_moe(z.reshape(n, -1).astype(self.dtype), idx, w, experts, n_exp,
+                               b, capacity)
+      dropped = jnp.sum(~kept.reshape(n, k) & flat_valid[:, None], dtype=jnp.int32)
     u = constrain(u.reshape(b, t, -1), ("batch", "seq", "latent"))  # fp32
     y = self.w_up(self.latent_norm(u).astype(self.dtype))
     for mlp in self.shared:

@@ -146,8 +146,10 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
   def orthogonalize(blocks, spec):
     ns = functools.partial(newton_schulz, steps=ns_steps, coeffs=ns_coeffs, eps=eps,
                            backend=ns_backend)
-    if mesh is None or spec is None or not any(spec):
+    if mesh is None or spec is None:
       return ns(blocks)
+    # Replicated blocks too: a Pallas kernel inside a partitioned program must sit in a
+    # shard_map (each device then orthogonalizes its full copy, as XLA would).
     return jax.shard_map(ns, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(blocks)
 
   def leaf(g, m, layout, spec):

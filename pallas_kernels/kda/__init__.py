@@ -9,7 +9,7 @@ from pallas_kernels.kda.pallas import kda_pallas, kda_pallas_sharded
 
 __all__ = ["BACKENDS", "LOWER_BOUND", "kda", "kda_chunk", "kda_naive", "kda_pallas"]
 
-# "kernel": the Pallas kernels compiled for the default device (Triton on GPU, Mosaic on
+# "kernel": the Pallas kernels compiled for the target platform (Triton on GPU, Mosaic on
 # TPU); "interpret": the same kernels in Pallas interpret mode (any device, slow);
 # "auto": "kernel" on GPU and TPU, "chunk" elsewhere.
 BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
@@ -17,27 +17,34 @@ BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
 
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
         segment_ids=None, output_final_state=False, chunk_size=64, sub_chunk_size=16,
-        mesh=None, batch_axis=None, head_axis=None):
+        mesh=None, batch_axis=None, head_axis=None, platform=None):
   """KDA through the named backend (one of BACKENDS).
 
   chunk_size and sub_chunk_size apply to "chunk" and the kernels. mesh, batch_axis,
   head_axis: where the arrays are sharded (mesh axis names, or None); the kernels then
   run per device under `shard_map` (a Pallas call is not partitioned by XLA), the
-  pure-JAX backends ignore them. Returns what the backend returns: o [B, T, H, V], plus
-  the final state [B, H, K, V] if output_final_state.
+  pure-JAX backends ignore them. platform: what the program is compiled for ("gpu",
+  "tpu", "cpu"); None: the platform of the mesh's devices, else `jax.default_backend()`.
+  A mesh over a compile-only TPU topology (`k3jax.aot`) thus gets the Mosaic kernels on a
+  CPU host. Returns what the backend returns: o [B, T, H, V], plus the final state
+  [B, H, K, V] if output_final_state.
   """
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
+  if platform is None:
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  platform = "gpu" if platform == "cuda" else platform
   if backend == "auto":
-    backend = "kernel" if jax.default_backend() in ("gpu", "tpu") else "chunk"
+    backend = "kernel" if platform in ("gpu", "tpu") else "chunk"
   if backend == "chunk":
     return kda_chunk(q, k, v, g, beta, chunk_size=chunk_size,
                      sub_chunk_size=sub_chunk_size, **common)
   if backend == "naive":
     return kda_naive(q, k, v, g, beta, **common)
   if backend in ("kernel", "interpret"):
-    kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
-                  interpret=backend == "interpret")
+    interpret = backend == "interpret"
+    kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, interpret=interpret,
+                  platform="cpu" if interpret else platform)
     if mesh is not None and (batch_axis is not None or head_axis is not None):
       return kda_pallas_sharded(q, k, v, g, beta, mesh=mesh, batch_axis=batch_axis,
                                 head_axis=head_axis, **kernel, **common)

@@ -1,0 +1,82 @@
+"""Compile the train step for a TPU slice from any host, and say whether it fits.
+
+  python -m k3jax.aot --config=experiments/k3_full.py --topology=v5p:16x16x8
+  python -m k3jax.aot --config=experiments/k3_tiny.py --topology=v5p:2x2x1 \
+      --config.model.kda.backend=kernel --step_time=0.5
+
+With `libtpu` installed (the `test` extra) a CPU host compiles for a TPU topology that it
+does not have: `jax.experimental.topologies` describes the slice, and the program of
+`k3jax.program.build` (the one `k3jax.train` runs: forward, backward, optimizer, Quantile
+Balancing, QK-Clip; Pallas kernels on their TPU backend) is lowered on abstract arrays and
+compiled by XLA and Mosaic. Nothing is allocated. Prints per-chip HBM (arguments, outputs,
+temporaries, total) against the chip's capacity, the compiled FLOPs per step and the MFU a
+given step time would mean; exits 1 if the step does not fit.
+
+Topology names are libtpu's: "v5p:2x2x1" (4 chips), "v5:8x8x16" with --chip_config=megacore
+and --chips_per_host_bounds=2,2,1 (1,024 v5p chips), "tpu7x:8x8x8" (Ironwood), "v6e:16x16".
+One slice: meshes over several slices joined by DCN are not built yet.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# A compile-only TPU client: no metadata server, and other processes may load libtpu too.
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from absl import app, flags  # noqa: E402
+
+from k3jax import cli, parallel, program  # noqa: E402
+from k3jax import config as k3config  # noqa: E402
+from k3jax.memory import check_state_fits, compile_report, hbm_bytes  # noqa: E402
+
+_TOPOLOGY = flags.DEFINE_string("topology", None, "libtpu topology name, e.g. v5p:2x2x1.")
+_CHIP_CONFIG = flags.DEFINE_string("chip_config", None, "libtpu chip config (e.g. megacore).")
+_HOST_BOUNDS = flags.DEFINE_list("chips_per_host_bounds", None, "e.g. 2,2,1")
+_STEP_TIME = flags.DEFINE_float("step_time", None, "Seconds per step, for the implied MFU.")
+
+
+def topology_devices(name: str, *, chip_config: str | None = None,
+                     chips_per_host_bounds: tuple[int, ...] | None = None) -> list:
+  """The devices of a compile-only TPU topology (libtpu); ValueError naming the topology
+  when libtpu is missing or does not know it."""
+  from jax.experimental import topologies  # noqa: PLC0415
+  kw = {}
+  if chip_config:
+    kw["chip_config_name"] = chip_config
+  if chips_per_host_bounds:
+    kw["chips_per_host_bounds"] = tuple(chips_per_host_bounds)
+  try:
+    return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **kw).devices)
+  except Exception as e:  # noqa: BLE001  (libtpu raises several kinds)
+    raise ValueError(f"--topology={name}: no such TPU topology here ({type(e).__name__}: "
+                     f"{e}); is libtpu installed (pip install -e '.[test]')?") from e
+
+
+def main(argv):
+  del argv
+  if not _TOPOLOGY.value:
+    raise app.UsageError("--topology is required (e.g. --topology=v5p:2x2x1)")
+  cfg = k3config.validate(cli.CONFIG.value)
+  devices = topology_devices(_TOPOLOGY.value, chip_config=_CHIP_CONFIG.value,
+                             chips_per_host_bounds=tuple(map(int, _HOST_BOUNDS.value or ())))
+  mesh = parallel.make_mesh(cfg.mesh, devices)
+  prog = program.build(cfg, mesh)
+  print(f"{cfg.model.num_layers} layers, d {cfg.model.d_model}, {prog.num_params:,} parameters;"
+        f" batch {cfg.train.global_batch} x {cfg.train.seq_len}; remat {cfg.model.remat}",
+        flush=True)
+  capacity = hbm_bytes(mesh.devices.flat[0])
+  try:  # from the shardings alone: an impossible config is refused before compiling
+    check_state_fits(prog, capacity)
+  except MemoryError as e:
+    print(f"DOES NOT FIT: {e}", flush=True)
+    sys.exit(1)
+  report, _ = compile_report(prog)
+  print("\n".join(report.lines(_STEP_TIME.value)), flush=True)
+  sys.exit(0 if report.fits is not False else 1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,141 @@
+"""Does a train step fit? Per-chip HBM: capacities, the train state's share, the compiled
+step's needs.
+
+Two checks, cheapest first: `check_state_fits` from the shardings alone (no compile: refuses
+k3_full on 4 chips in seconds), then `compile_report` / `check_fits` from XLA's memory
+analysis of the compiled step. `k3jax.aot` runs both for a TPU topology from any host;
+`k3jax.train` runs both before its first step wherever the device's HBM size is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+
+from k3jax import flops, program
+
+GIB = 2 ** 30
+# HBM per JAX device (one chip; v5p's two TensorCores form one "megacore" device), matched
+# in order against device_kind (lowercase).
+HBM_BYTES: tuple[tuple[str, int], ...] = (
+    ("v5 lite", 16 * GIB),   # v5e
+    ("v6 lite", 32 * GIB),   # v6e (Trillium)
+    ("tpu7x", 192 * GIB),    # Ironwood
+    ("v5", 95 * GIB),        # v5p reports "TPU v5"
+    ("v4", 32 * GIB),
+    ("h200", 141 * GIB),
+    ("h100", 80 * GIB),
+)
+
+
+def hbm_bytes(device) -> int | None:
+  """HBM capacity of one device (a `jax.Device` or a device_kind); None if unknown."""
+  kind = (device if isinstance(device, str) else device.device_kind).lower()
+  return next((size for key, size in HBM_BYTES if key in kind), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """Per-chip memory of a compiled train step and its FLOPs."""
+  device_kind: str
+  chips: int
+  mesh: dict
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  code_bytes: int
+  capacity_bytes: int | None
+  flops_per_chip: float | None
+  tokens_per_step: int
+  compile_seconds: float
+
+  @property
+  def total_bytes(self) -> int:
+    """Live at the peak: arguments, outputs not aliased to (donated) arguments, temporaries,
+    code."""
+    return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+            + self.code_bytes)
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.capacity_bytes is None else self.total_bytes <= self.capacity_bytes
+
+  def lines(self, step_time: float | None = None) -> list[str]:
+    g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    cap = g(self.capacity_bytes) if self.capacity_bytes else "unknown"
+    out = [f"topology: {self.chips} x {self.device_kind}, mesh {self.mesh}",
+           f"compiled in {self.compile_seconds:.0f} s",
+           f"HBM per chip: arguments {g(self.argument_bytes)}, outputs {g(self.output_bytes)}"
+           f" (aliased to arguments {g(self.alias_bytes)}), temporaries {g(self.temp_bytes)},"
+           f" code {g(self.code_bytes)}",
+           f"HBM per chip: total {g(self.total_bytes)} of {cap}"]
+    if self.flops_per_chip:
+      out.append(f"compiled FLOPs per step: {self.flops_per_chip:.4g} per chip, "
+                 f"{self.flops_per_chip * self.chips:.4g} in all "
+                 f"({self.tokens_per_step:,} tokens)")
+      peak = flops.peak_flops(self.device_kind)
+      if step_time and peak:
+        out.append(f"at {step_time:g} s per step: MFU "
+                   f"{self.flops_per_chip / step_time / peak:.1%} of {peak / 1e12:.0f} TFLOP/s")
+    out.append("fits" if self.fits else "DOES NOT FIT" if self.fits is False
+               else "fit unknown (no HBM size for this device kind)")
+    return out
+
+
+def state_bytes_per_chip(prog: program.Program) -> int:
+  """Bytes of the train state (parameters, other state, optimizer state) on the most loaded
+  device, from the shardings alone: no compile."""
+  per_device = {}
+  for x in jax.tree.leaves(prog.abstract_state):
+    nbytes = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for device in x.sharding.device_set:
+      per_device[device] = per_device.get(device, 0) + nbytes
+  return max(per_device.values(), default=0)
+
+
+def check_state_fits(prog: program.Program, capacity: int | None) -> None:
+  """MemoryError before any compile when the train state alone exceeds a chip's HBM."""
+  need = state_bytes_per_chip(prog)
+  if capacity is not None and need > capacity:
+    device = prog.mesh.devices.flat[0]
+    raise MemoryError(
+        f"the train state alone needs {need / GIB:,.1f} GiB per chip (parameters and "
+        f"optimizer state of {prog.num_params:,} parameters over mesh {dict(prog.mesh.shape)}),"
+        f" but a {device.device_kind} has {capacity / GIB:.0f} GiB: use more chips or shard "
+        "the parameters further (config.mesh.fsdp, config.mesh.expert)")
+
+
+def compile_report(prog: program.Program) -> tuple[Report, jax.stages.Compiled]:
+  """Lowers and compiles `prog`'s train step on abstract arrays: (its memory and FLOPs, the
+  executable, which runs the step on arrays sharded like `prog.abstract_state`)."""
+  t0 = time.time()
+  compiled = prog.lower_train_step().compile()
+  seconds = time.time() - t0
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  device = prog.mesh.devices.flat[0]
+  t = prog.cfg.train
+  report = Report(
+      device_kind=device.device_kind, chips=prog.mesh.devices.size, mesh=dict(prog.mesh.shape),
+      argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+      alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+      code_bytes=mem.generated_code_size_in_bytes, capacity_bytes=hbm_bytes(device),
+      flops_per_chip=(cost or {}).get("flops"), tokens_per_step=t.global_batch * t.seq_len,
+      compile_seconds=seconds)
+  return report, compiled
+
+
+def check_fits(report: Report) -> None:
+  """MemoryError naming the need and the capacity per chip when the step does not fit."""
+  if report.fits is False:
+    raise MemoryError(
+        f"the train step needs {report.total_bytes / GIB:.2f} GiB of HBM per chip "
+        f"(arguments {report.argument_bytes / GIB:.2f}, temporaries "
+        f"{report.temp_bytes / GIB:.2f}), but a {report.device_kind} has "
+        f"{report.capacity_bytes / GIB:.0f} GiB: use more chips, more fsdp/expert sharding, "
+        "a smaller batch per chip or more rematerialization (config.model.remat)")

@@ -1,0 +1,113 @@
+"""The training program of a config on a mesh: abstract state, shardings, jitted steps.
+
+One builder serves `k3jax.train`, which runs the program, and `k3jax.aot`, which compiles
+it for a TPU topology without running it; what compiles in `aot` is what runs in `train`.
+
+  program = build(cfg, mesh)
+  with program.rules():                          # the model's logical axes -> the mesh
+    params, rest, opt_state = program.init()     # every array created where it lives
+    params, rest, opt_state, out = program.train_step(params, rest, opt_state, batch)
+    compiled = program.lower_train_step().compile()   # abstract: nothing allocated
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from k3jax import optim, parallel
+from k3jax.config import ConfigError
+from k3jax.data import FEATURES
+from k3jax.model import K3Model, axes
+from k3jax.steps import make_steps
+
+# The batch a train step takes: every pipeline feature, [global_batch, seq_len].
+BATCH_DTYPES = {name: (jnp.float32 if name == "weights" else jnp.int32) for name in FEATURES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """What `build` returns. State is the triple (params, rest, opt_state) of pure pytrees:
+  the model's `nnx.Param` state, its other state (Quantile-Balancing biases) and the
+  optimizer state."""
+  cfg: Any
+  mesh: Mesh
+  graphdef: Any
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  abstract_params: Any            # nnx.State of the parameters, with metadata (no arrays)
+  state_shardings: tuple          # (params, rest, opt_state) NamedShardings
+  abstract_state: tuple           # the same, as ShapeDtypeStructs carrying the shardings
+  batch_sharding: NamedSharding
+  init: Any                       # jitted () -> state
+  train_step: Any                 # jitted (params, rest, opt_state, batch) -> (*state, out)
+  eval_step: Any                  # jitted (params, rest, batch) -> loss
+
+  @property
+  def num_params(self) -> int:
+    return sum(x.size for x in jax.tree.leaves(self.abstract_params))
+
+  @property
+  def state_bytes(self) -> int:
+    """Bytes of the whole train state over all devices (each array counted once)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.abstract_state))
+
+  def rules(self) -> contextlib.AbstractContextManager:
+    """Installs the mesh rules; trace, lower and call the steps inside it."""
+    return axes.use_rules(self.mesh, parallel.RULES)
+
+  def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    t = self.cfg.train
+    return {name: jax.ShapeDtypeStruct((t.global_batch, t.seq_len), dtype,
+                                       sharding=self.batch_sharding)
+            for name, dtype in BATCH_DTYPES.items()}
+
+  def lower_train_step(self) -> jax.stages.Lowered:
+    """The train step lowered on the abstract state and batch (nothing is allocated)."""
+    with self.rules():
+      return self.train_step.lower(*self.abstract_state, self.abstract_batch())
+
+
+def build(cfg, mesh: Mesh) -> Program:
+  """The program of `cfg` (validated) on `mesh`; ConfigError when the batch or a parameter
+  does not split over the mesh."""
+  t = cfg.train
+  data_ways = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  if t.global_batch % data_ways:
+    raise ConfigError(f"config.train.global_batch: {t.global_batch} rows do not split over "
+                      f"the {data_ways} data-parallel devices (data x fsdp x expert)")
+  abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
+  graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
+  parallel.check_divisible(abs_params, mesh)
+  parallel.check_divisible(abs_rest, mesh)
+  tx, schedule = optim.make_optimizer(cfg, abs_params, mesh=mesh,
+                                      param_specs=parallel.param_specs(abs_params))
+  param_sh, opt_sh = parallel.state_shardings(mesh, tx, abs_params)
+  state_sh = (param_sh, parallel.shardings(mesh, abs_rest), opt_sh)
+
+  @functools.partial(jax.jit, out_shardings=state_sh)
+  def init():
+    model = K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest = nnx.as_pure(params), nnx.as_pure(rest)
+    return params, rest, tx.init(params)
+
+  abstract_state = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      jax.eval_shape(init), state_sh)
+  train_step, eval_step = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau)
+  return Program(
+      cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
+      abstract_params=abs_params, state_shardings=state_sh, abstract_state=abstract_state,
+      batch_sharding=NamedSharding(mesh, parallel.batch_spec()), init=init,
+      train_step=jax.jit(train_step, donate_argnums=(0, 1, 2),
+                         out_shardings=(*state_sh, None)),
+      eval_step=jax.jit(eval_step))

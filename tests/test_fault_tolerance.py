@@ -1,0 +1,280 @@
+"""Fault handling, end to end: a non-finite step is skipped and counted, too many in a row
+stop the run, SIGTERM saves and exits, a damaged newest checkpoint gives way to the previous
+one, an incompatible config or an unwritable workdir is refused, and a run killed with
+SIGKILL again and again (once mid-save) ends bit for bit where an uninterrupted one does."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_train import train_config
+
+from k3jax import checkpoint as k3ckpt
+from k3jax import config as k3config
+from k3jax import metrics as k3metrics
+from k3jax import train as k3train
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import fault_injection  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+CACHE = jax.config.jax_compilation_cache_dir  # conftest's persistent cache, shared with children
+
+
+# --- non-finite steps ---------------------------------------------------------------------
+
+class _Poisoned:
+  """The train dataset with NaN loss weights in the batches of the given steps (1-based,
+  counted from the start of this process)."""
+
+  def __init__(self, ds, steps):
+    self.ds, self.steps = ds, steps
+
+  def __iter__(self):
+    return _PoisonedIter(iter(self.ds), self.steps)
+
+
+class _PoisonedIter:
+
+  def __init__(self, it, steps):
+    self.it, self.steps, self.n = it, steps, 0
+
+  def __next__(self):
+    batch, self.n = next(self.it), self.n + 1
+    if self.n in self.steps:
+      batch = {**batch, "weights": batch["weights"] * np.float32(np.nan)}
+    return batch
+
+  def get_state(self):
+    return self.it.get_state()
+
+  def set_state(self, state):
+    self.it.set_state(state)
+
+
+def _poison(monkeypatch, steps):
+  make = k3train.k3data.make_dataset
+
+  def make_poisoned(*args, split="train", **kwargs):
+    ds = make(*args, split=split, **kwargs)
+    return _Poisoned(ds, steps) if split == "train" else ds
+
+  monkeypatch.setattr(k3train.k3data, "make_dataset", make_poisoned)
+
+
+def _metrics(workdir):
+  return fault_injection.metrics_by_step(workdir)
+
+
+def test_nan_batch_is_skipped_and_counted(tmp_path, monkeypatch):
+  c = train_config()   # train.steps stays: it shapes the schedule, so the compiled program
+  c.train.checkpoint_every, c.train.keep_checkpoints, c.train.eval_every = 1, 0, 0
+  _poison(monkeypatch, {3})
+  k3train.train(c, str(tmp_path), stop_after=4)
+  m = _metrics(tmp_path)
+  assert [m[s]["skipped"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]   # a running total
+  assert np.isnan(m[3]["loss"]) and np.isfinite(m[4]["loss"])
+  states = {s: fault_injection.load_state(tmp_path, s) for s in (2, 3, 4)}
+  for k, before in states[2].items():   # params, optimizer state, biases: untouched
+    assert before.tobytes() == states[3][k].tobytes(), k
+  changed = {k for k in states[3] if states[3][k].tobytes() != states[4][k].tobytes()}
+  assert any(k.startswith("[0]") for k in changed)   # the next good step updates again:
+  assert any(k.startswith("[1]") for k in changed)   # params and Quantile-Balancing biases
+  with open(tmp_path / "checkpoints" / "4" / "progress" / "metadata") as f:
+    assert json.load(f) == {"skipped": 1, "bad_run": 0}
+
+
+def test_too_many_bad_steps_stop_the_run(tmp_path, monkeypatch):
+  c = train_config()
+  c.train.checkpoint_every, c.train.max_bad_steps, c.train.eval_every = 2, 2, 0
+  _poison(monkeypatch, {3, 4})
+  with pytest.raises(FloatingPointError, match=r"step 4: 2 steps in a row .*max_bad_steps=2.*"
+                     r"Last good checkpoint: step 2 in .*checkpoints"):
+    k3train.train(c, str(tmp_path))
+
+
+def test_max_bad_steps_is_validated():
+  c = train_config()
+  c.train.max_bad_steps = 0
+  with pytest.raises(k3config.ConfigError, match="train.max_bad_steps"):
+    k3config.validate(c)
+
+
+# --- checkpoints: damage, config, workdir -----------------------------------------------
+
+def _save_steps(directory, steps=(1, 2, 3)):
+  cfg = k3config.base_config().to_json()
+  with k3ckpt.Checkpointer(directory, keep=0) as ckpt:
+    for s in steps:
+      ckpt.save(s, {"w": jnp.arange(64.0) * s, "b": jnp.full((3,), s, jnp.int32)},
+                {"next": s}, cfg, progress={"skipped": s}, force=True)
+
+
+def _target():
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return {"w": jax.ShapeDtypeStruct((64,), jnp.float32, sharding=sh),
+          "b": jax.ShapeDtypeStruct((3,), jnp.int32, sharding=sh)}
+
+
+def _truncate_array_file(step_dir):
+  # state/d/: the data files of the OCDBT database the processes' writes are merged into
+  files = list((step_dir / "state" / "d").iterdir())
+  os.truncate(max(files, key=os.path.getsize), 10)
+
+
+DAMAGE = {
+    "truncated array file": _truncate_array_file,
+    "commit marker deleted": lambda d: os.remove(d / k3ckpt.COMMIT_MARKER),
+    "state metadata deleted": lambda d: os.remove(d / "state" / "_METADATA"),
+    "state metadata garbled": lambda d: (d / "state" / "_METADATA").write_text('{"tree": [gar'),
+    "config garbled": lambda d: (d / "config" / "metadata").write_text("\x00\x01not json"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_newest_checkpoint_falls_back(tmp_path, damage, caplog):
+  _save_steps(tmp_path)
+  root = tmp_path / "checkpoints"
+  DAMAGE[damage](root / "3")
+  with k3ckpt.Checkpointer(tmp_path) as ckpt:
+    got = ckpt.restore_latest(_target(), config_json=k3config.base_config().to_json(),
+                              must_match=k3config.RESTORE_FIELDS)
+    assert got.step == 2 and got.data == {"next": 2} and got.progress == {"skipped": 2}
+    np.testing.assert_array_equal(np.asarray(got.state["w"]), np.arange(64.0) * 2)
+    assert ckpt.all_steps() == [1, 2]
+  assert "step 3 (" in caplog.text and "restored step 2" in caplog.text, caplog.text
+  assert (root / "3.corrupt").is_dir()   # kept for inspection, out of orbax's view
+  with k3ckpt.Checkpointer(tmp_path) as ckpt:   # saving step 3 again works
+    ckpt.save(3, {"w": jnp.zeros(64), "b": jnp.zeros(3, jnp.int32)}, force=True)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2, 3]
+
+
+def test_no_readable_checkpoint_is_an_error(tmp_path):
+  _save_steps(tmp_path, steps=(1,))
+  os.remove(tmp_path / "checkpoints" / "1" / k3ckpt.COMMIT_MARKER)
+  for _ in range(2):   # the second time, from the moved-aside directory alone
+    with k3ckpt.Checkpointer(tmp_path) as ckpt, pytest.raises(FileNotFoundError,
+                                                              match="no readable checkpoint"):
+      ckpt.restore_latest(_target())
+
+
+def test_incompatible_config_names_the_field(tmp_path):
+  _save_steps(tmp_path)
+  c = k3config.base_config()
+  c.model.d_model, c.optimizer.name = 64, "adamw"
+  with k3ckpt.Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(k3ckpt.IncompatibleCheckpoint,
+                       match=r"config.model.d_model: 7168 in the checkpoint .*, 64 now\n"
+                             r"  config.optimizer.name: 'muon' in the checkpoint .*'adamw' now"):
+      ckpt.restore_latest(_target(), config_json=c.to_json(), must_match=k3config.RESTORE_FIELDS)
+    c = k3config.base_config()
+    c.model.dtype, c.model.remat, c.optimizer.learning_rate = "float32", "none", 1.0
+    got = ckpt.restore_latest(_target(), config_json=c.to_json(),
+                              must_match=k3config.RESTORE_FIELDS)
+    assert got.step == 3   # compute dtype, remat, learning rate may change
+
+
+def test_unwritable_or_full_workdir_is_refused_before_training(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  t0 = time.time()
+  with pytest.raises(OSError, match="a_file/run/checkpoints.*not writable"):
+    k3train.train(train_config(), str(blocker / "run"))
+  assert time.time() - t0 < 10   # before any model is built or compiled
+  with pytest.raises(OSError, match="GiB free; a checkpoint needs"):
+    k3ckpt.check_free_space(tmp_path, 1 << 62)
+
+
+def test_metrics_line_cut_by_a_kill_is_dropped(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+  with k3metrics.MetricWriter(tmp_path, tensorboard=False) as writer:
+    writer.write_scalars(2, {"loss": 1.5})
+  rows = k3metrics.read_jsonl(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["loss"]) for r in rows] == [(1, 2.0), (2, 1.5)]
+
+
+# --- processes: SIGTERM and SIGKILL ------------------------------------------------------
+
+TRAIN_CONFIG = '''"""test_train.train_config() for training subprocesses (importing test_train
+would import k3jax.train twice and define its flags twice)."""
+import sys
+sys.path.insert(0, {tests!r})
+import jax
+from conftest import micro_config
+
+# conftest caches programs that compile in over 1 s; a restart should compile nothing, and
+# every save slices each array shape once (a few hundred small programs on 8 devices).
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def get_config(arg=None):
+  del arg
+  c = micro_config()
+  c.model.vocab_size = 384
+  c.train.steps, c.train.global_batch = 12, 8
+  c.train.checkpoint_every, c.train.eval_every = 4, 6
+  return c
+'''
+
+
+@pytest.fixture
+def micro(tmp_path):
+  """(config path, subprocess environment): test_train's config on the same 8 simulated
+  devices, so its programs are in the persistent compilation cache already (compiling them
+  takes minutes on 2 cores) and no process start compiles."""
+  path = tmp_path / "micro.py"
+  path.write_text(TRAIN_CONFIG.format(tests=TESTS))
+  spec = importlib.util.spec_from_file_location("subprocess_config", path)
+  module = importlib.util.module_from_spec(spec)
+  min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+  spec.loader.exec_module(module)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+  assert module.get_config().to_json() == train_config().to_json()
+  env = fault_injection.subprocess_env(CACHE)
+  env["K3JAX_TEST_CACHE"] = CACHE   # conftest, imported by the config, sets the cache too
+  return str(path), env
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly(tmp_path, micro):
+  config, env = micro
+  workdir = str(tmp_path / "run")
+  # The kill test's programs (train.steps is in the schedule); no checkpoint before step 12.
+  cmd = fault_injection.train_command(config, workdir, ["--config.train.checkpoint_every=100"])
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, cwd=fault_injection.REPO)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("step      3/"):
+      proc.send_signal(signal.SIGTERM)
+      break
+  out = "".join(lines) + proc.communicate(timeout=120)[0]
+  assert proc.returncode == 0, out[-3000:]
+  saved = int(out.split("preempted: saved step ")[1].split(";")[0])
+  assert 3 <= saved < 12 and max(_metrics(workdir)) == saved, out[-2000:]
+  assert fault_injection.load_state(workdir, saved)   # committed, readable
+
+
+@pytest.mark.slow
+def test_kill9_again_and_again_equals_uninterrupted(tmp_path, micro):
+  """The headline: 5 SIGKILLs at random steps (one mid-save), the same command rerun each
+  time; final state and every logged metric equal an uninterrupted run, bit for bit."""
+  config, env = micro
+  summary = fault_injection.fault_injection(config, str(tmp_path), steps=12,
+                                            checkpoint_every=3, kills=5, seed=0, env=env,
+                                            timeout=1800)  # a cold cache compiles for minutes
+  print(fault_injection.markdown(summary))
+  kills = summary["events"][:-1]
+  assert len(kills) == 5 and all(e["killed"] for e in kills)
+  assert any(e["during_save"] and e["in_flight"] for e in kills), kills   # killed mid-save
+  assert summary["differences"] == []
