@@ -1,13 +1,19 @@
-"""The train step and the optimizer step of one config, timed on one device.
+"""The train step and the optimizer step of one config, timed.
 
   python benchmarks/train_step.py --config=experiments/k3_small.py
   python benchmarks/train_step.py --config=experiments/k3_small.py --variants=muon:auto,adamw
+  python benchmarks/train_step.py --config=experiments/k3_small.py --devices=2 \
+      --config.mesh.expert=2 --config.model.moe.dispatch=expert_parallel --variants= \
+      --nons_blocks
 
 Issue 3 asks that the optimizer step (update + QK-Clip + apply) stays under 5% of the
 train step (forward, backward, optimizer, Quantile Balancing). The train step is compiled
 and timed once, with the config's optimizer; then the optimizer step alone is timed for
 each variant ("muon:<ns_backend>" or "adamw") on random gradients. Synthetic tokens (one
-document per row) keep the data pipeline out of the numbers. Prints a markdown table.
+document per row) keep the data pipeline out of the numbers. The train step is the very
+program `k3jax.train` runs (`k3jax.program.build`, microbatches included) on a mesh over
+the first --devices devices; its losses on the one batch, step after step, let runs on
+different meshes be compared. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -24,17 +30,19 @@ import optax
 from absl import app, flags
 from flax import nnx
 
-from k3jax import cli, optim
+from k3jax import cli, optim, parallel, program
 from k3jax import config as k3config
 from k3jax import flops
 from k3jax.model import K3Model
 from k3jax.optim import muon
-from k3jax.steps import make_steps
 from pallas_kernels.newton_schulz import newton_schulz
 
 _VARIANTS = flags.DEFINE_list("variants", ["muon:auto", "muon:xla", "adamw"],
                               "optimizer steps to time: muon:<ns_backend> or adamw")
 _REPS = flags.DEFINE_integer("reps", 10, "timed repetitions (after 2 warm-up runs)")
+_DEVICES = flags.DEFINE_integer("devices", 1, "devices of the train step's mesh (config.mesh "
+                                "says how they split, e.g. --config.mesh.expert=2)")
+_NS_BLOCKS = flags.DEFINE_bool("ns_blocks", True, "time Newton-Schulz alone per block shape")
 _TRAIN_STEP = flags.DEFINE_bool("train_step", True, "also compile and time the train step "
                                 "(minutes of compile for k3_small)")
 
@@ -95,7 +103,7 @@ def main(argv):
         f"{datetime.date.today().isoformat()}", flush=True)
 
   abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
-  graphdef, abs_params, _ = nnx.split(abstract, nnx.Param, ...)
+  _, abs_params, _ = nnx.split(abstract, nnx.Param, ...)
 
   @jax.jit
   def init():
@@ -126,27 +134,47 @@ def main(argv):
     print(f"# optimizer step {variant}: {opt_times[variant] * 1e3:.2f} ms", flush=True)
     del state
   del grads
-  ns_blocks(cfg, abs_params)
+  if _NS_BLOCKS.value:
+    ns_blocks(cfg, abs_params)
   if not _TRAIN_STEP.value:
     return
 
-  tx, _ = optim.make_optimizer(cfg, abs_params)
   print(f"# optimizer: {optim.describe(cfg, abs_params)}", flush=True)
-  train_step, _ = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau)
-  train_step = jax.jit(train_step)
-  opt_state = jax.jit(tx.init)(params)
-  t0 = time.perf_counter()
-  train_step.lower(params, rest, opt_state, batch).compile()
-  print(f"# train step compiled in {time.perf_counter() - t0:.0f} s", flush=True)
-  step_time, out = timed(train_step, params, rest, opt_state, batch, reps=_REPS.value)
-  loss = float(out[3]["loss"])
-  del out, opt_state
-  tokens_per_s = t.global_batch * t.seq_len / step_time
+  del params, rest
+  # The program k3jax.train runs (donating its state), on a one-device mesh.
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))
+  print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}", flush=True)
+  batch = jax.device_put(batch, prog.batch_sharding)
+  with prog.rules():
+    state = prog.init()
+    t0 = time.perf_counter()
+    step = prog.train_step.lower(*state, batch).compile()
+    print(f"# train step compiled in {time.perf_counter() - t0:.0f} s "
+          f"({t.microbatches} microbatches of {t.global_batch // t.microbatches} rows)",
+          flush=True)
+    times, losses = [], []
+    for i in range(2 + _REPS.value):
+      t0 = time.perf_counter()
+      *state, out = step(*state, batch)
+      jax.block_until_ready(out)
+      losses.append(float(out["loss"]))
+      if i >= 2:  # after 2 warm-up steps
+        times.append(time.perf_counter() - t0)
+  print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
+  step_time = float(np.median(times))
+  loss = float(out["loss"])
+  # The allocator's peak over the whole script (the optimizer steps above peak lower).
+  peak_gib = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+  temp_gib = step.memory_analysis().temp_size_in_bytes / 2**30
+  del state, out
+  tokens_per_s = t.global_batch * t.seq_len / step_time / _DEVICES.value  # per device
   fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
   peak = flops.peak_flops(dev)
   mfu = f"{flops.mfu(tokens_per_s, fpt, peak):.1%}" if peak else "n/a"
   print(f"\n| train step ({cfg.optimizer.name}) | {step_time * 1e3:.1f} ms | "
-        f"{tokens_per_s:,.0f} tok/s | MFU {mfu} | loss {loss:.3f} |", flush=True)
+        f"{tokens_per_s:,.0f} tok/s per device | MFU {mfu} | loss {loss:.3f} | "
+        f"peak {peak_gib:.1f} GiB, temporaries {temp_gib:.1f} GiB | "
+        f"KDA {cfg.model.kda.backend} |", flush=True)
   print("\n| optimizer step | time | share of the train step |\n|---|---|---|")
   for variant, secs in opt_times.items():
     print(f"| {variant} | {secs * 1e3:.2f} ms | {secs / step_time:.1%} |", flush=True)

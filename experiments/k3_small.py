@@ -23,9 +23,12 @@ def get_config(arg: str | None = None):
   m.moe.shared_dim = 768
   m.moe.dispatch = "capacity"  # ragged_dot is ~60x below the matmul rate on H200
   m.attn_res.block_layers = 4
+  m.kda.chunk_size = 32  # as measured on the H200; the KDA kernel's faster tile (results/kda.md)
 
   t = c.train
-  t.seq_len, t.global_batch = 4_096, 8
+  # 16 x 4096 tokens a step as 8 microbatches of 2 rows: fits one H200 (47 GiB of step
+  # temporaries) and keeps Muon's step at 4% of the train step (benchmarks/results/train_step.md)
+  t.seq_len, t.global_batch, t.microbatches = 4_096, 16, 8
   t.steps = 10_000
   t.log_every, t.eval_every, t.checkpoint_every = 10, 500, 500
   c.optimizer.warmup_steps = 500

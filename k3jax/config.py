@@ -82,12 +82,16 @@ def base_config() -> ml_collections.ConfigDict:
   t = c.train = ml_collections.ConfigDict()
   t.seq_len = 4_096
   t.global_batch = 1_024
+  t.microbatches = 1     # gradient accumulation: the global batch as this many sequential
+                         # slices per step; the same update in a slice's activation memory
   t.steps = 100_000
   t.log_every = 10
   t.eval_every = 1_000
   t.eval_batches = 4
   t.checkpoint_every = 1_000
-  t.keep_checkpoints = 3
+  t.keep_checkpoints = 3       # the newest N checkpoints are kept
+  t.keep_checkpoint_every = 0  # and, for good, every step that is a multiple of this (0: none)
+  t.checkpoint_compression = False  # zstd: ~2x the save/restore CPU time for ~7% less disk
   t.max_bad_steps = 10   # this many non-finite (skipped) steps in a row stop the run
   t.grad_clip_norm = 1.0
   t.peak_tflops = 0.0    # per-device peak for the MFU estimate; 0 = detect from the device
@@ -133,7 +137,9 @@ def base_config() -> ml_collections.ConfigDict:
 # A run resumes only under a config that agrees on each (compute dtypes, remat, kernels,
 # learning rate etc. may change). k3jax.checkpoint.check_shapes backs this list up.
 RESTORE_FIELDS = (
-    "seed", "train.seq_len", "data.source", "data.packing",
+    "seed", "train.seq_len", "data.source", "data.packing", "data.sources",
+    "data.heldout_every", "data.tokenizer.kind", "data.tokenizer.bos_token",
+    "data.tokenizer.eos_token",
     "model.vocab_size", "model.d_model", "model.num_layers", "model.mla_every",
     "model.final_mla", "model.dense_layers", "model.scan_layers",
     "model.kda.num_heads", "model.kda.head_dim", "model.kda.conv_size", "model.kda.gate_rank",
@@ -218,6 +224,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   t = c.train
   _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
   _check(t.global_batch >= 1, "train.global_batch", "must be >= 1")
+  _check(t.microbatches >= 1 and t.global_batch % t.microbatches == 0, "train.microbatches",
+         f"{t.microbatches} must be >= 1 and divide train.global_batch={t.global_batch}")
+  _check(t.checkpoint_every >= 1, "train.checkpoint_every",
+         f"must be >= 1, got {t.checkpoint_every}")
+  _check(t.keep_checkpoint_every >= 0 and t.keep_checkpoint_every % t.checkpoint_every == 0,
+         "train.keep_checkpoint_every", f"{t.keep_checkpoint_every} must be 0 or a multiple "
+         f"of train.checkpoint_every={t.checkpoint_every}")
   _check(t.max_bad_steps >= 1, "train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
   o = c.optimizer
   from k3jax.optim import OPTIMIZERS  # noqa: PLC0415  (the registry is the one list of names)
@@ -236,4 +249,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   from pallas_kernels.newton_schulz import BACKENDS  # noqa: PLC0415
   _check(u.ns_backend in BACKENDS, "optimizer.muon.ns_backend",
          f"unknown backend {u.ns_backend!r} (known: {', '.join(BACKENDS)})")
+  from k3jax.data import check_config as check_data  # noqa: PLC0415  (reads no file)
+  try:
+    check_data(c.data)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   return c

@@ -12,9 +12,11 @@ it for a TPU topology without running it; what compiles in `aot` is what runs in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import json
 from typing import Any
 
 import jax
@@ -84,6 +86,10 @@ def build(cfg, mesh: Mesh) -> Program:
   if t.global_batch % data_ways:
     raise ConfigError(f"config.train.global_batch: {t.global_batch} rows do not split over "
                       f"the {data_ways} data-parallel devices (data x fsdp x expert)")
+  if t.global_batch % (t.microbatches * data_ways):
+    raise ConfigError(f"config.train.microbatches: {t.microbatches} microbatches of "
+                      f"{t.global_batch} rows do not each split over the {data_ways} "
+                      "data-parallel devices (data x fsdp x expert)")
   abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
   graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
   parallel.check_divisible(abs_params, mesh)
@@ -103,7 +109,8 @@ def build(cfg, mesh: Mesh) -> Program:
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       jax.eval_shape(init), state_sh)
-  train_step, eval_step = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau)
+  train_step, eval_step = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau,
+                                     microbatches=t.microbatches)
   return Program(
       cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
       abstract_params=abs_params, state_shardings=state_sh, abstract_state=abstract_state,
@@ -111,3 +118,31 @@ def build(cfg, mesh: Mesh) -> Program:
       train_step=jax.jit(train_step, donate_argnums=(0, 1, 2),
                          out_shardings=(*state_sh, None)),
       eval_step=jax.jit(eval_step))
+
+
+# Config fields that change nothing the program computes (logging, evaluation and
+# checkpoint cadence, the data source): configs that differ only here share one program.
+RUN_ONLY_FIELDS = ("train.log_every", "train.eval_every", "train.eval_batches",
+                   "train.checkpoint_every", "train.keep_checkpoints",
+                   "train.keep_checkpoint_every", "train.max_bad_steps", "train.peak_tflops",
+                   "data")
+_BUILT: collections.OrderedDict = collections.OrderedDict()
+_KEEP_BUILT = 2
+
+
+def build_once(cfg, mesh: Mesh) -> Program:
+  """`build`, remembered per process: a later run in the same process (a resumed run, a
+  sweep or notebook calling `k3jax.train.train` again, a test) with the same program
+  reuses its traced and compiled steps. The last two programs are kept."""
+  fields = cfg.to_dict()
+  for dotted in RUN_ONLY_FIELDS:
+    *parents, leaf = dotted.split(".")
+    section = functools.reduce(lambda d, k: d.get(k, {}), parents, fields)
+    section.pop(leaf, None)
+  key = (json.dumps(fields, sort_keys=True, default=repr), mesh)
+  if key not in _BUILT:
+    _BUILT[key] = build(cfg, mesh)
+    while len(_BUILT) > _KEEP_BUILT:
+      _BUILT.popitem(last=False)
+  _BUILT.move_to_end(key)
+  return _BUILT[key]

@@ -13,17 +13,44 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from k3jax.model import K3Model
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
-  """Weighted mean next-token loss in nats. logits [B, T, V], targets/weights [B, T]."""
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+                  denominator: jax.Array | None = None) -> jax.Array:
+  """Weighted next-token loss in nats, sum(nll * weights) / denominator; logits [B, T, V],
+  targets/weights [B, T]. The default denominator max(sum(weights), 1) gives the mean; a
+  microbatch passes its whole batch's, so that the microbatches' losses add up to it."""
   logits = logits.astype(jnp.float32)
   logz = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return jnp.sum((logz - picked) * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+  if denominator is None:
+    denominator = _token_count(weights)
+  return jnp.sum((logz - picked) * weights) / denominator
 
 
-def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0):
+def _token_count(weights: jax.Array) -> jax.Array:
+  return jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def split_microbatches(batch: dict, microbatches: int) -> dict:
+  """[B, ...] -> [microbatches, B / microbatches, ...]. Microbatch m takes rows m,
+  m + microbatches, m + 2 * microbatches, ...: with the batch split over devices in
+  contiguous blocks of rows, every device keeps its share of every microbatch (no
+  data moves)."""
+  def split(x):
+    rows = x.shape[0] // microbatches
+    return jnp.swapaxes(x.reshape(rows, microbatches, *x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
+               microbatches: int = 1):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
+
+  With microbatches > 1 the batch runs as that many sequential slices (`jax.lax.scan`)
+  whose gradients, losses and aux add up to the whole batch's: the same update with a
+  slice's activation memory. The batch's rows must split evenly.
 
   After the optimizer update the step applies what lives outside the gradient: the
   Quantile-Balancing bias update and QK-Clip (tau = qk_clip_tau; 0 only reports).
@@ -31,13 +58,36 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   A step whose loss or gradient is not finite changes nothing: params, optimizer state and
   biases come back as they went in, and out["skipped"] is 1 (0 otherwise).
   """
+  merge_aux = K3Model.merge_aux
 
-  def loss_fn(params, rest, batch):
+  def loss_fn(params, rest, batch, denominator=None):
     logits, aux = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["segment_ids"])
-    return cross_entropy(logits, batch["targets"], batch["weights"]), aux
+    return cross_entropy(logits, batch["targets"], batch["weights"], denominator), aux
+
+  def loss_and_grads(params, rest, batch):
+    """(loss, aux, grads) of the whole batch, one microbatch at a time."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if microbatches == 1:
+      (loss, aux), grads = grad_fn(params, rest, batch)
+      return loss, aux, grads
+    denominator = _token_count(batch["weights"])
+    micro = split_microbatches(batch, microbatches)
+
+    def accumulate(carry, mb):
+      loss, aux, grads = carry
+      (mb_loss, mb_aux), mb_grads = grad_fn(params, rest, mb, denominator)
+      return (loss + mb_loss, merge_aux(aux, mb_aux),
+              jax.tree.map(jnp.add, grads, mb_grads)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    abstract_aux = jax.eval_shape(loss_fn, params, rest, first, denominator)[1]
+    carry = (jnp.zeros((), jnp.float32), K3Model.empty_aux(abstract_aux),
+             jax.tree.map(jnp.zeros_like, params))
+    (loss, aux, grads), _ = jax.lax.scan(accumulate, carry, micro)
+    return loss, aux, grads
 
   def train_step(params, rest, opt_state, batch):
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
+    loss, aux, grads = loss_and_grads(params, rest, batch)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # one NaN/Inf anywhere poisons the norm
     updates, new_opt_state = tx.update(grads, opt_state, params)
@@ -56,6 +106,11 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
     return params, rest, opt_state, out
 
   def eval_step(params, rest, batch):
-    return loss_fn(params, rest, batch)[0]
+    if microbatches == 1:
+      return loss_fn(params, rest, batch)[0]
+    denominator = _token_count(batch["weights"])
+    losses = jax.lax.map(lambda mb: loss_fn(params, rest, mb, denominator)[0],
+                         split_microbatches(batch, microbatches))
+    return jnp.sum(losses)
 
   return train_step, eval_step

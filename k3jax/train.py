@@ -151,19 +151,23 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   """
   k3config.validate(cfg)
   t = cfg.train
-  vocab = k3data.ByteTokenizer.vocab_size
-  if vocab > cfg.model.vocab_size:
-    raise k3config.ConfigError(f"config.model.vocab_size: {cfg.model.vocab_size} is smaller "
-                               f"than the tokenizer's vocabulary ({vocab})")
+  tokenizer = k3data.make_tokenizer(cfg.data.tokenizer)
+  try:
+    k3data.check_vocab(tokenizer, cfg.model.vocab_size)
+  except ValueError as e:
+    raise k3config.ConfigError(str(e)) from None
   say(f"k3jax: jax {jax.__version__}, {jax.process_count()} process(es), "
       f"{jax.device_count()} device(s): {jax.devices()[0].device_kind} "
       f"({jax.default_backend()})")
-  ckpt = checkpoint.Checkpointer(workdir, keep=t.keep_checkpoints, save_every=t.checkpoint_every)
+  ckpt = checkpoint.Checkpointer(workdir, keep=t.keep_checkpoints,
+                                 keep_every=t.keep_checkpoint_every,
+                                 save_every=t.checkpoint_every,
+                                 compress=t.checkpoint_compression)
   writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
 
   mesh = parallel.make_mesh(cfg.mesh)
   say("model: building (abstract) ...")
-  prog = program.build(cfg, mesh)
+  prog = program.build_once(cfg, mesh)
   batch_sharding = prog.batch_sharding
   say(f"mesh: {dict(mesh.shape)}; batch sharded as {batch_sharding.spec}")
   say(f"optimizer: {optim.describe(cfg, prog.abstract_params)}")
@@ -206,8 +210,9 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   local_batch = t.global_batch // jax.process_count()
   tokens_per_step = t.global_batch * t.seq_len
   peak = t.peak_tflops * 1e12 or flops.peak_flops(jax.devices()[0])
-  say(f"data: {cfg.data.source} corpus, seq {t.seq_len}, global batch {t.global_batch} "
-      f"({tokens_per_step:,} tokens/step), {local_batch} rows on this process")
+  say(f"data: {cfg.data.source} corpus, {tokenizer.describe()}, seq {t.seq_len}, global batch {t.global_batch} "
+      f"({tokens_per_step:,} tokens/step), {local_batch} rows on this process"
+      + (f", {t.microbatches} microbatches" if t.microbatches > 1 else ""))
   say(f"train: steps {step} -> {t.steps}, log every {t.log_every}, eval every {t.eval_every}, "
       f"checkpoint every {t.checkpoint_every}, workdir {workdir}")
 

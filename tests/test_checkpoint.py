@@ -148,3 +148,200 @@ def test_train_state_tuple_with_optimizer_state(tmp_path, mesh):
   assert jax.tree.structure(restored) == jax.tree.structure(state)
   for r, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(r), np.asarray(s))
+
+
+def test_keep_last_n_and_every_k(tmp_path):
+  """keep=2, keep_every=4: the two newest steps survive, and every multiple of 4 for good
+  (also across a reopened Checkpointer); a keep_every that no saved step can hit is refused."""
+  state = {"w": jnp.ones((2, 2))}
+  with Checkpointer(tmp_path, keep=2, keep_every=4, save_every=2) as ckpt:
+    assert [s for s in range(1, 13) if ckpt.save(s, state)] == [2, 4, 6, 8, 10, 12]
+    assert ckpt.save(13, state, force=True)   # a preemption's off-interval save
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 8, 12, 13]
+  with Checkpointer(tmp_path, keep=2, keep_every=4, save_every=2) as ckpt:
+    ckpt.save(14, state)
+    ckpt.save(16, state)
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 8, 12, 14, 16]
+  assert sorted(int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()) == [
+      4, 8, 12, 14, 16]
+  with pytest.raises(ValueError, match="keep_every=5 is not a multiple of save_every=2"):
+    Checkpointer(tmp_path, keep_every=5, save_every=2)
+
+
+
+def test_compression_is_optional_and_either_reads_either(tmp_path):
+  """compress=False writes the arrays as they are (1 MiB of zeros stays 1 MiB; zstd makes
+  it a few KiB), and a Checkpointer of either setting restores a checkpoint of the other."""
+  state = {"zeros": jnp.zeros((256, 1024)), "w": jnp.linspace(-1, 1, 4096).reshape(64, 64)}
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  size = {}
+  for compress in (True, False):
+    with Checkpointer(tmp_path / str(compress), compress=compress) as ckpt:
+      ckpt.save(1, state, force=True)
+    files = (tmp_path / str(compress) / "checkpoints" / "1").rglob("*")
+    size[compress] = sum(f.stat().st_size for f in files if f.is_file())
+  assert size[False] > 2**20 > 20 * size[True], size
+  for compress in (True, False):
+    with Checkpointer(tmp_path / str(compress), compress=not compress) as ckpt:
+      restored, _ = ckpt.restore(1, target)
+    for k in state:
+      np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(state[k]))
+
+# --- the data iterator under another process count ----------------------------------------
+
+def test_data_iterator_state_resumes_under_another_process_count(tmp_path):
+  """The iterator state saved as process 0 of 1, restored as processes 0..n-1 of n (n = 2,
+  4): the rows each reads, concatenated, are the rows the one process reads next; a process
+  count that does not divide the global batch is refused, naming both."""
+  from k3jax.data import make_dataset
+
+  data_cfg = base_config().data
+
+  def dataset(index, count):
+    return make_dataset(data_cfg, seq_len=32, global_batch=4, seed=0, process_index=index,
+                        process_count=count)
+
+  one = iter(dataset(0, 1))
+  for _ in range(3):
+    next(one)
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(3, {"w": jnp.ones(2)}, one.get_state(), force=True)
+    want = [next(one) for _ in range(3)]
+    _, data_state = ckpt.restore(3, {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+  for count in (2, 4):
+    got = []
+    for index in range(count):
+      it = iter(dataset(index, count))
+      it.set_state(data_state)
+      got.append([next(it) for _ in range(3)])
+    for b, w in enumerate(want):
+      for k in w:
+        assert all(g[b][k].shape[0] == 4 // count for g in got)
+        np.testing.assert_array_equal(np.concatenate([g[b][k] for g in got]), w[k],
+                                      err_msg=f"{count} processes, batch {b}, {k}")
+  with pytest.raises(ValueError, match=r"global_batch=4.*process_count=3"):
+    dataset(0, 3)
+
+
+# --- restore onto another mesh / device count -------------------------------------------
+
+def _mesh_program(cfg, **sizes):
+  """The training program of `cfg` on a mesh of `sizes` over the first prod(sizes) devices
+  (a run on fewer devices than the host has)."""
+  from k3jax import parallel, program
+
+  for axis in parallel.MESH_AXES:
+    cfg.mesh[axis] = sizes.get(axis, 1)
+  return program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(
+      list(sizes.values())))]))
+
+
+def _reshard_config(**changes):
+  from conftest import micro_config
+
+  c = micro_config()
+  c.train.global_batch = 8                  # one row per device of the fsdp=8 mesh
+  c.optimizer.muon.ns_dtype = "float32"     # fp32 throughout: nothing rounds to bf16
+  for k, v in changes.items():
+    c.model[k] = v
+  return c
+
+
+def test_state_saved_on_8_devices_restores_onto_4_with_another_mesh(tmp_path):
+  """The training program's whole state (Muon + AdamW optimizer state, balancing biases),
+  saved from fsdp=8 over 8 devices, restored for data=2 x fsdp=2 over 4 of them: every
+  array bit-equal, in the new program's sharding, on those 4 devices only. 4 layers (the
+  KDA x3 + MLA cycle with dense and MoE FFNs): the 13-layer program builds 3x slower."""
+  from k3jax.config import RESTORE_FIELDS
+
+  prog8 = _mesh_program(_reshard_config(num_layers=4), fsdp=8)
+  prog4 = _mesh_program(_reshard_config(num_layers=4), data=2, fsdp=2)
+  rng = np.random.default_rng(0)
+  values = [rng.standard_normal(x.shape).astype(x.dtype) for x in
+            jax.tree.leaves(prog8.abstract_state)]   # numpy: no XLA init compile
+  state = jax.tree.unflatten(jax.tree.structure(prog8.abstract_state), [
+      jax.device_put(v, x.sharding) for v, x in zip(values, jax.tree.leaves(
+          prog8.abstract_state))])
+  assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+             for x in jax.tree.leaves(state))
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(5, state, config_json=prog8.cfg.to_json(), force=True)
+    got = ckpt.restore_latest(prog4.abstract_state, config_json=prog4.cfg.to_json(),
+                              must_match=RESTORE_FIELDS)
+  assert got.step == 5
+  assert jax.tree.structure(got.state) == jax.tree.structure(prog4.abstract_state)
+  four = set(jax.devices()[:4])
+  for (path, r), t, v in zip(jax.tree_util.tree_flatten_with_path(got.state)[0],
+                             jax.tree.leaves(prog4.abstract_state), values):
+    assert r.sharding == t.sharding and r.sharding.device_set == four, path
+    np.testing.assert_array_equal(np.asarray(r), v, err_msg=jax.tree_util.keystr(path))
+
+
+def _start_state(prog):
+  """A well-conditioned random point (as tests/test_parallel.py's: matrices at a quarter of
+  random_model's scale, AttnRes queries at zero, balancing biases a score apart so top-k
+  picks do not flip on reduction-order noise) and a fresh optimizer state, placed on the
+  program's shardings (numpy values: no XLA init compile)."""
+  from conftest import random_model
+
+  _, params, rest = nnx.split(random_model(prog.cfg.model), nnx.Param, ...)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: (0 * x if "query" in jax.tree_util.keystr(path) else
+                       0.25 * x if x.ndim >= 2 and "embed" not in jax.tree_util.keystr(path)
+                       else x), nnx.as_pure(params))
+  rest = jax.tree.map(lambda b: np.broadcast_to(np.arange(b.shape[-1], dtype=b.dtype), b.shape)
+                      if b.ndim >= 1 else b, nnx.as_pure(rest))
+  return jax.device_put((params, rest, prog.tx.init(params)), prog.state_shardings)
+
+
+def _batch(prog, step):
+  """The global batch of `step`: random tokens, two documents per row."""
+  t = prog.cfg.train
+  rng = np.random.default_rng(step)
+  tokens = rng.integers(1, prog.cfg.model.vocab_size, (t.global_batch, t.seq_len + 1))
+  half = t.seq_len // 2
+  seg = np.repeat([[1] * half + [2] * (t.seq_len - half)], t.global_batch, 0)
+  pos = np.concatenate([np.arange(half), np.arange(t.seq_len - half)])
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+           "positions": np.broadcast_to(pos, seg.shape), "weights": np.ones(seg.shape)}
+  want = prog.abstract_batch()
+  return {k: jax.device_put(np.asarray(v, want[k].dtype), want[k].sharding)
+          for k, v in batch.items()}
+
+
+def _run(prog, state, steps):
+  """(`state` after the train steps `steps`, [each step's loss])."""
+  losses = []
+  with prog.rules():
+    for s in steps:
+      *state, out = prog.train_step(*state, _batch(prog, s))
+      losses.append(float(out["loss"]))
+  return tuple(state), losses
+
+
+@pytest.mark.slow
+def test_restored_on_another_mesh_the_next_steps_equal_the_uninterrupted_run(tmp_path):
+  """A step taken on fsdp=8 over 8 devices and saved; restored onto data=2 x fsdp=2 over 4
+  of them, the next two steps' losses and the parameters after them equal those of the run
+  that went on on the original mesh, to fp32 reduction-order noise (the meshes sum in
+  different orders). 4 layers (a KDA x3 + MLA cycle, dense and MoE FFNs): two train-step
+  compiles take minutes on 2 cores."""
+  from k3jax.config import RESTORE_FIELDS
+
+  prog8 = _mesh_program(_reshard_config(num_layers=4), fsdp=8)
+  state, _ = _run(prog8, _start_state(prog8), [1])
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, state, config_json=prog8.cfg.to_json(), force=True)
+    went_on, want = _run(prog8, state, [2, 3])
+    prog4 = _mesh_program(_reshard_config(num_layers=4), data=2, fsdp=2)
+    got = ckpt.restore_latest(prog4.abstract_state, config_json=prog4.cfg.to_json(),
+                              must_match=RESTORE_FIELDS)
+  assert got.step == 1
+  resumed, losses = _run(prog4, got.state, [2, 3])
+  np.testing.assert_allclose(losses, want, rtol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(resumed)[0],
+                          jax.tree.leaves(went_on)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5,
+                               err_msg=jax.tree_util.keystr(path))

@@ -35,6 +35,10 @@ def test_experiments_validate(name):
     ("model.remat", "some", "model.remat"),
     ("model.moe.dispatch", "ragged", "model.moe.dispatch"),
     ("optimizer.name", "sgd", "unknown optimizer"),
+    ("train.microbatches", 3, "train.microbatches"),
+    ("train.keep_checkpoint_every", 1500, "train.keep_checkpoint_every"),
+    ("data.source", "files", "config.data.sources"),
+    ("data.tokenizer.kind", "wordpiece", "config.data.tokenizer"),
 ])
 def test_impossible_settings_name_the_field(field, value, match):
   c = load("k3_full")

@@ -1,4 +1,4 @@
-"""Input data: the byte tokenizer, the embedded corpus and the grain pipeline."""
+"""Input data: tokenizers, document sources, prepared shards and the grain pipeline."""
 
 from k3jax.data.corpus import SPLITS, default_documents, unigram_entropy
 from k3jax.data.pipeline import (
@@ -10,20 +10,40 @@ from k3jax.data.pipeline import (
     document_pieces,
     make_dataset,
     piece_dataset,
+    source_pieces,
 )
-from k3jax.data.tokenizer import ByteTokenizer
+from k3jax.data.sources import FORMATS
+from k3jax.data.tokenizer import (
+    TOKENIZERS,
+    ByteTokenizer,
+    HuggingFaceTokenizer,
+    SentencePieceTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    check_vocab,
+    make_tokenizer,
+)
 
 __all__ = [
     "FEATURES",
+    "FORMATS",
     "PACKINGS",
     "SOURCES",
     "SPLITS",
+    "TOKENIZERS",
     "ByteTokenizer",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "TiktokenTokenizer",
+    "Tokenizer",
     "check_config",
+    "check_vocab",
     "data_config",
     "default_documents",
     "document_pieces",
     "make_dataset",
+    "make_tokenizer",
     "piece_dataset",
+    "source_pieces",
     "unigram_entropy",
 ]

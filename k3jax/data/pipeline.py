@@ -1,17 +1,19 @@
 """The training input pipeline, built from grain datasets.
 
-  documents -> tokens [bos] + bytes + [eos]
+  documents (config.data.source: the embedded corpus, or files: k3jax/data/sources.py)
+    -> token ids (config.data.tokenizer: k3jax/data/tokenizer.py) -> [bos] + ids + [eos]
     -> per document: inputs = tok[:-1], targets = tok[1:]
     -> pieces of at most seq_len (each piece is its own segment)
     -> global shuffle with `seed`, reshuffled every epoch -> repeat
+       (several sources: each shuffled and repeated, then mixed by their weights)
     -> packing into rows of seq_len -> global batches of global_batch rows
     -> process shard: process p of n keeps rows [p * local_batch, (p + 1) * local_batch)
 
 The global batches do not depend on the number of processes: 2 processes x 4 devices train
 on the very batches of 1 process x 8, and since every process is at the same position,
 any one's iterator state (the checkpoint stores process 0's) resumes a run under any
-process count. The price: every process packs the whole global batch (numpy work, small
-next to a step).
+process count. The price: every process reads the piece index of every source and packs
+the whole global batch (numpy work, small next to a step).
 
 Every element is a dict of numpy arrays, each [local_batch, seq_len]:
   inputs       int32   token ids fed to the model
@@ -23,21 +25,30 @@ Every element is a dict of numpy arrays, each [local_batch, seq_len]:
 The returned `grain.IterDataset` is checkpointable: `it.get_state()` is a small
 JSON-serialisable dict and `it.set_state(state)` on a fresh iterator resumes
 with exactly the same batches.
+
+Text files are read and tokenized when the pipeline is built (once per process; kept for
+later calls, e.g. the validation split); prepared ArrayRecord shards are read lazily, piece
+by piece, which is what corpora larger than memory need.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import grain
 import ml_collections
 import numpy as np
 
+from k3jax.data import sources as sources_lib
 from k3jax.data.corpus import default_documents
-from k3jax.data.tokenizer import ByteTokenizer
+from k3jax.data.pieces import DocumentPieces, Subset, TokenDocuments
+from k3jax.data.shards import TokenShards
+from k3jax.data.tokenizer import Tokenizer, check_tokenizer_config, make_tokenizer, tokenizer_config
 
-SOURCES = ("default",)
+# "default": the embedded corpus (k3jax/data/corpus.py); "files": config.data.sources.
+SOURCES = ("default", "files")
 # "first_fit": whole pieces, first-fit into local_batch rows, the rest padded.
 # "concat_then_split": pieces laid end to end, cut every seq_len; no padding, but a
 #   piece cut at a row end continues in the next row as a new segment (positions from 0).
@@ -46,51 +57,128 @@ FEATURES = ("inputs", "targets", "segment_ids", "positions", "weights")
 
 
 def data_config() -> ml_collections.ConfigDict:
-  """Defaults of the `data` section of an experiment config."""
+  """Defaults of the `data` section of an experiment config.
+
+  Example (two JSONL corpora 3:1, Kimi's tokenizer):
+
+    c.data.source = "files"
+    c.data.sources = [
+        dict(paths="/data/web/*.jsonl.gz", format="jsonl", weight=3.0),
+        dict(paths=["/data/code/*.parquet"], format="parquet", column="content"),
+    ]
+    c.data.tokenizer.kind, c.data.tokenizer.path = "tiktoken", "/models/kimi/tiktoken.model"
+  """
   c = ml_collections.ConfigDict()
   c.source = "default"      # one of SOURCES
   c.packing = "first_fit"   # one of PACKINGS
+  c.sources = ()            # source="files": dicts, fields in k3jax/data/sources.py
+  # source="files": document i of a source without validation_paths is held out for the
+  # "validation" split when i % heldout_every == 0; 0 = hold out nothing.
+  c.heldout_every = 20
+  c.tokenizer = tokenizer_config()
   return c
 
 
 def check_config(cfg: ml_collections.ConfigDict) -> None:
-  """Raise ValueError naming the first bad field of the `data` section."""
+  """Raise ValueError naming the first bad field of the `data` section (reads no file)."""
   if cfg.source not in SOURCES:
     raise ValueError(f"config.data.source must be one of {SOURCES}, got {cfg.source!r}")
   if cfg.packing not in PACKINGS:
     raise ValueError(f"config.data.packing must be one of {PACKINGS}, got {cfg.packing!r}")
+  check_tokenizer_config(cfg.tokenizer)
+  if not isinstance(cfg.heldout_every, int) or cfg.heldout_every < 0:
+    raise ValueError(f"config.data.heldout_every must be an integer >= 0, "
+                     f"got {cfg.heldout_every!r}")
+  if cfg.source == "files" and not cfg.sources:
+    raise ValueError("config.data.sources: source='files' needs at least one entry "
+                     "(dict(paths=..., format=...))")
+  if cfg.source != "files" and cfg.sources:
+    raise ValueError(f"config.data.sources is set but config.data.source is {cfg.source!r}; "
+                     f"set it to 'files'")
+  for i, entry in enumerate(cfg.sources):
+    sources_lib.source_spec(entry, i)
 
 
-def _documents(cfg: ml_collections.ConfigDict, split: str) -> list[str]:
-  """The documents of `split` from the source that `cfg.source` names."""
+def _split_ids(n: int, split: str, every: int) -> np.ndarray:
+  ids = np.arange(n)
+  if split == "train":
+    return ids if every == 0 else ids[ids % every != 0]
+  return ids[ids % every == 0]
+
+
+@functools.lru_cache(maxsize=8)
+def _read_files(files: tuple[str, ...], mtimes: tuple[float, ...], spec_items: tuple,
+                tokenizer: Tokenizer):
+  """The documents of `files` (all of them), tokenized, in file order (cached per process)."""
+  del mtimes  # part of the cache key: a changed file is read again
+  spec = dict(spec_items)
+  if spec["format"] == "arrayrecord":
+    return TokenShards(files, tokenizer)
+  return TokenDocuments([tokenizer.encode(doc)
+                         for path in files for doc in sources_lib.read_documents(path, spec)])
+
+
+def _file_documents(spec: dict, index: int, split: str, every: int, tokenizer: Tokenizer):
+  field = f"config.data.sources[{index}]"
+  use_heldout_files = bool(spec["validation_paths"])
+  if split == "validation" and use_heldout_files:
+    files = sources_lib.expand_paths(spec["validation_paths"], f"{field}.validation_paths")
+  else:
+    files = sources_lib.expand_paths(spec["paths"], f"{field}.paths")
+  items = tuple((k, v) for k, v in sorted(spec.items()) if "paths" not in k)
+  docs = _read_files(tuple(files), tuple(os.path.getmtime(f) for f in files), items, tokenizer)
+  if use_heldout_files:
+    return docs
+  if split == "validation" and every == 0:
+    raise ValueError(f"{field}: no validation documents: set its validation_paths, or "
+                     f"config.data.heldout_every > 0")
+  ids = _split_ids(len(docs), split, every)
+  if not len(ids):
+    raise ValueError(f"{field}: no {split} documents among its {len(docs)} "
+                     f"(config.data.heldout_every={every})")
+  return Subset(docs, ids)
+
+
+def source_pieces(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, seq_len: int,
+                  split: str) -> list[tuple[DocumentPieces, float]]:
+  """(pieces, weight) of every source of `split`, pieces in document order."""
   check_config(cfg)
-  return default_documents(split)
+  make = functools.partial(DocumentPieces, bos=tokenizer.bos_id, eos=tokenizer.eos_id,
+                           seq_len=seq_len)
+  if cfg.source == "default":
+    docs = TokenDocuments([tokenizer.encode(d) for d in default_documents(split)])
+    return [(make(docs), 1.0)]
+  if split not in ("train", "validation"):
+    raise ValueError(f"split must be one of ('train', 'validation'), got {split!r}")
+  out = []
+  for i, entry in enumerate(cfg.sources):
+    spec = sources_lib.source_spec(entry, i)
+    out.append((make(_file_documents(spec, i, split, cfg.heldout_every, tokenizer)),
+                float(spec["weight"])))
+  return out
 
 
 def document_pieces(
-    docs: Sequence[str], tokenizer: ByteTokenizer, seq_len: int
+    docs: Sequence[str], tokenizer: Tokenizer, seq_len: int
 ) -> list[dict[str, np.ndarray]]:
   """Every document as next-token pairs, cut into pieces of at most `seq_len`.
 
   Returns, in document order, dicts {"inputs": int32 [n], "targets": int32 [n]}
-  with 1 <= n <= seq_len; a document of b bytes gives b + 1 pairs in all.
+  with 1 <= n <= seq_len; a document of t tokens gives t + 1 pairs in all.
   """
-  pieces = []
-  for doc in docs:
-    tok = np.concatenate([[tokenizer.bos], tokenizer.encode(doc), [tokenizer.eos]]).astype(np.int32)
-    inputs, targets = tok[:-1], tok[1:]
-    for start in range(0, len(inputs), seq_len):
-      pieces.append({
-          "inputs": inputs[start:start + seq_len],
-          "targets": targets[start:start + seq_len],
-      })
-  return pieces
+  pieces = DocumentPieces(TokenDocuments([tokenizer.encode(d) for d in docs]),
+                          bos=tokenizer.bos_id, eos=tokenizer.eos_id, seq_len=seq_len)
+  return [pieces[i] for i in range(len(pieces))]
 
 
 def _check_process(process_index: int, process_count: int):
   if process_count < 1 or not 0 <= process_index < process_count:
     raise ValueError(
         f"need 0 <= process_index < process_count, got {process_index} of {process_count}")
+
+
+def _source_seed(seed: int, index: int) -> int:
+  return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
 def piece_dataset(
@@ -103,12 +191,23 @@ def piece_dataset(
 ) -> grain.MapDataset:
   """The shuffled, repeated stream of pieces, before packing (the same on every process).
 
-  Piece i of epoch e sits at index e * num_pieces + i.
+  One source (or a finite `num_epochs`, or the validation split): all pieces, shuffled with
+  `seed`; piece i of epoch e sits at index e * num_pieces + i. Several sources, training
+  without end: each source's pieces shuffled (a seed per source) and repeated, then
+  interleaved so that source j gives weight_j / sum(weights) of the pieces.
   """
   if seq_len < 2:
     raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-  pieces = document_pieces(_documents(cfg, split), ByteTokenizer(), seq_len)
-  return grain.MapDataset.source(pieces).shuffle(seed=seed).repeat(num_epochs)
+  check_config(cfg)
+  tokenizer = make_tokenizer(cfg.tokenizer)
+  parts = source_pieces(cfg, tokenizer, seq_len=seq_len, split=split)
+  if len(parts) == 1 or num_epochs is not None or split != "train":
+    ds = [grain.MapDataset.source(p) for p, _ in parts]
+    ds = ds[0] if len(ds) == 1 else grain.MapDataset.concatenate(ds)
+    return ds.shuffle(seed=seed).repeat(num_epochs)
+  mixed = [grain.MapDataset.source(p).shuffle(seed=_source_seed(seed, i)).repeat(None)
+           for i, (p, _) in enumerate(parts)]
+  return grain.MapDataset.mix(mixed, [w for _, w in parts])
 
 
 class _RestoreSliceTuples(grain.IterDataset):

@@ -1,0 +1,181 @@
+"""Sources of documents: local files chosen by glob patterns, in the `data.sources` config.
+
+Each entry of `config.data.sources` (with `config.data.source = "files"`) is a dict:
+
+  paths             glob pattern or list of them ("**" recurses); files in sorted order
+  format            "text" | "jsonl" | "parquet" | "arrayrecord"
+  weight            share of the training pieces drawn from this source (default 1.0)
+  text_field        jsonl: the key of the text in each JSON object (default "text")
+  column            parquet: the text column (default "text")
+  separator         text: "" = one document per file (default), else the string between documents
+  validation_paths  optional globs of this source's held-out files; without them, every
+                    `data.heldout_every`-th document (0, k, 2k, ...) is held out
+
+Text formats ("text", "jsonl", "parquet"; ".gz" text and jsonl too) are read and tokenized
+when the pipeline starts; "arrayrecord" reads shards of token ids written by
+`python -m k3jax.data.prepare` (k3jax/data/shards.py), lazily, which is what large corpora
+want. A document is the text of one file, one separator-delimited part, one JSON line or
+one row. Empty documents inside a file are skipped; an empty file is an error.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+FORMATS = ("text", "jsonl", "parquet", "arrayrecord")
+TEXT_FORMATS = ("text", "jsonl", "parquet")
+SOURCE_DEFAULTS = {
+    "paths": (),
+    "format": "",
+    "weight": 1.0,
+    "text_field": "text",
+    "column": "text",
+    "separator": "",
+    "validation_paths": (),
+}
+
+
+def source_spec(entry, index: int) -> dict:
+  """Entry `index` of `config.data.sources` with every field; ValueError names a bad one."""
+  where = f"config.data.sources[{index}]"
+  if not hasattr(entry, "keys"):
+    raise ValueError(f"{where} must be a dict with 'paths' and 'format', got {entry!r}")
+  entry = dict(entry)
+  unknown = sorted(set(entry) - set(SOURCE_DEFAULTS))
+  if unknown:
+    raise ValueError(f"{where}: unknown field(s) {unknown} (known: {sorted(SOURCE_DEFAULTS)})")
+  spec = {**SOURCE_DEFAULTS, **entry}
+  spec["paths"] = _patterns(spec["paths"])
+  spec["validation_paths"] = _patterns(spec["validation_paths"])
+  if not spec["paths"]:
+    raise ValueError(f"{where}.paths: no glob pattern given")
+  if spec["format"] not in FORMATS:
+    raise ValueError(f"{where}.format must be one of {FORMATS}, got {spec['format']!r}")
+  weight = spec["weight"]
+  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+    raise ValueError(f"{where}.weight must be a positive number, got {weight!r}")
+  for key in ("text_field", "column", "separator"):
+    if not isinstance(spec[key], str):
+      raise ValueError(f"{where}.{key} must be a string, got {spec[key]!r}")
+  return spec
+
+
+def _patterns(paths) -> tuple[str, ...]:
+  if isinstance(paths, str):
+    return (paths,) if paths else ()
+  return tuple(paths)
+
+
+def expand_paths(patterns: Sequence[str], field: str) -> list[str]:
+  """Files matching each pattern, sorted per pattern, each once; FileNotFoundError if one
+  pattern matches no file (`field` names the config field in the message)."""
+  files, seen = [], set()
+  for pattern in patterns:
+    matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+                     if os.path.isfile(p))
+    if not matched:
+      raise FileNotFoundError(f"{field}: no file matches {pattern!r}")
+    for p in matched:
+      if p not in seen:
+        seen.add(p)
+        files.append(p)
+  return files
+
+
+def read_documents(path: str, spec: dict) -> Iterator[str]:
+  """The documents of one file of a text format, in file order.
+
+  Raises ValueError naming the file for an empty file, the file and byte offset for bytes
+  that are not UTF-8, `file:line` for a JSONL line without the text field.
+  """
+  fmt = spec["format"]
+  if fmt == "text":
+    yield from _text_documents(path, spec["separator"])
+  elif fmt == "jsonl":
+    yield from _jsonl_documents(path, spec["text_field"])
+  elif fmt == "parquet":
+    yield from _parquet_documents(path, spec["column"])
+  else:
+    raise ValueError(f"{path}: format {fmt!r} holds token ids, not text")
+
+
+def _read_bytes(path: str) -> bytes:
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rb") as f:
+    return f.read()
+
+
+def _decode(data: bytes, path: str, offset: int = 0, line: int | None = None) -> str:
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    where = f"{path}:{line}" if line is not None else path
+    raise ValueError(f"{where}: byte offset {offset + e.start}: not UTF-8 "
+                     f"({data[e.start:e.start + 4]!r}: {e.reason})") from None
+
+
+def _text_documents(path: str, separator: str) -> Iterator[str]:
+  data = _read_bytes(path)
+  if not data:
+    raise ValueError(f"{path}: empty file")
+  text = _decode(data, path)
+  parts = text.split(separator) if separator else [text]
+  yield from (p for p in parts if p)
+
+
+def _jsonl_documents(path: str, field: str) -> Iterator[str]:
+  opener = gzip.open if path.endswith(".gz") else open
+  empty, offset = True, 0
+  with opener(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
+      start, offset = offset, offset + len(raw)
+      if not raw.strip():
+        continue
+      empty = False
+      line = _decode(raw, path, start, lineno)
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}, column {e.colno})") from None
+      if not isinstance(obj, dict) or field not in obj:
+        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{path}:{lineno}: no field {field!r} (has {keys}); the source's "
+                         f"text_field (--text_field for prepare) names it")
+      text = obj[field]
+      if not isinstance(text, str):
+        raise ValueError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not text")
+      if text:
+        yield text
+  if empty:
+    raise ValueError(f"{path}: empty file (no JSON lines)")
+
+
+def _parquet_documents(path: str, column: str) -> Iterator[str]:
+  import pyarrow.parquet as pq  # noqa: PLC0415  (only needed for this format)
+  try:
+    f = pq.ParquetFile(path)
+  except Exception as e:  # pyarrow.ArrowInvalid and friends
+    raise ValueError(f"{path}: not a Parquet file ({e})") from e
+  names = f.schema_arrow.names
+  if column not in names:
+    raise ValueError(f"{path}: no column {column!r} (columns: {names}); set column in "
+                     f"config.data.sources")
+  if f.metadata.num_rows == 0:
+    raise ValueError(f"{path}: empty file (no rows)")
+  row = 0
+  for batch in f.iter_batches(columns=[column], batch_size=1024):
+    for value in batch.column(0).to_pylist():
+      if value is None:
+        raise ValueError(f"{path}: row {row}: column {column!r} is null")
+      if isinstance(value, bytes):
+        value = _decode(value, f"{path}: row {row}")
+      elif not isinstance(value, str):
+        raise ValueError(f"{path}: row {row}: column {column!r} holds "
+                         f"{type(value).__name__}, not text")
+      row += 1
+      if value:
+        yield value
