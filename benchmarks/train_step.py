@@ -28,12 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
-from flax import nnx
 
 from k3jax import cli, optim, parallel, program
 from k3jax import config as k3config
 from k3jax import flops
-from k3jax.model import K3Model
 from k3jax.optim import muon
 from pallas_kernels.newton_schulz import newton_schulz
 
@@ -102,15 +100,12 @@ def main(argv):
         f"{t.seq_len}; {dev.device_kind}; jax {jax.__version__}; "
         f"{datetime.date.today().isoformat()}", flush=True)
 
-  abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
-  _, abs_params, _ = nnx.split(abstract, nnx.Param, ...)
-
-  @jax.jit
-  def init():
-    _, params, rest = nnx.split(K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
-    return nnx.as_pure(params), nnx.as_pure(rest)
-
-  params, rest = init()
+  # The program k3jax.train runs (donating its state), on a mesh over --devices devices.
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))
+  abs_params = prog.abstract_params
+  with prog.rules():
+    params, _, opt_state = prog.init()
+  del opt_state
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1))
   batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
@@ -140,9 +135,7 @@ def main(argv):
     return
 
   print(f"# optimizer: {optim.describe(cfg, abs_params)}", flush=True)
-  del params, rest
-  # The program k3jax.train runs (donating its state), on a one-device mesh.
-  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))
+  del params
   print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}", flush=True)
   batch = jax.device_put(batch, prog.batch_sharding)
   with prog.rules():

@@ -58,8 +58,6 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   A step whose loss or gradient is not finite changes nothing: params, optimizer state and
   biases come back as they went in, and out["skipped"] is 1 (0 otherwise).
   """
-  merge_aux = K3Model.merge_aux
-
   def loss_fn(params, rest, batch, denominator=None):
     logits, aux = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["segment_ids"])
     return cross_entropy(logits, batch["targets"], batch["weights"], denominator), aux
@@ -71,20 +69,14 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
       (loss, aux), grads = grad_fn(params, rest, batch)
       return loss, aux, grads
     denominator = _token_count(batch["weights"])
-    micro = split_microbatches(batch, microbatches)
 
-    def accumulate(carry, mb):
-      loss, aux, grads = carry
-      (mb_loss, mb_aux), mb_grads = grad_fn(params, rest, mb, denominator)
-      return (loss + mb_loss, merge_aux(aux, mb_aux),
-              jax.tree.map(jnp.add, grads, mb_grads)), None
+    def accumulate(grads, mb):
+      (loss, aux), mb_grads = grad_fn(params, rest, mb, denominator)
+      return jax.tree.map(jnp.add, grads, mb_grads), (loss, aux)
 
-    first = jax.tree.map(lambda x: x[0], micro)
-    abstract_aux = jax.eval_shape(loss_fn, params, rest, first, denominator)[1]
-    carry = (jnp.zeros((), jnp.float32), K3Model.empty_aux(abstract_aux),
-             jax.tree.map(jnp.zeros_like, params))
-    (loss, aux, grads), _ = jax.lax.scan(accumulate, carry, micro)
-    return loss, aux, grads
+    grads, (losses, auxes) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params),
+                                          split_microbatches(batch, microbatches))
+    return jnp.sum(losses), K3Model.reduce_aux(auxes), grads
 
   def train_step(params, rest, opt_state, batch):
     loss, aux, grads = loss_and_grads(params, rest, batch)

@@ -195,21 +195,14 @@ class K3Model(nnx.Module):
     return constrain(logits, ("batch", "seq", "vocab")), aux
 
   @staticmethod
-  def merge_aux(a, b):
-    """The aux of two slices of one batch (microbatches) as if of the whole batch: MoE
+  def reduce_aux(stacked):
+    """The aux of a batch from its microbatches' aux, stacked on a leading axis: MoE
     histograms, loads and drop counts add up; MLA per-head logit maxima take the max."""
-    def merge(path, x, y):
-      key = getattr(path[-1], "key", None)
-      return jnp.maximum(x, y) if key == "logit_max" else x + y
-    return jax.tree.map_with_path(merge, a, b)
-
-  @staticmethod
-  def empty_aux(abstract_aux):
-    """The identity of `merge_aux` for an aux of the given shapes (zeros; -inf maxima)."""
-    def empty(path, x):
-      fill = -jnp.inf if getattr(path[-1], "key", None) == "logit_max" else 0
-      return jnp.full(x.shape, fill, x.dtype)
-    return jax.tree.map_with_path(empty, abstract_aux)
+    def reduce(path, x):
+      if getattr(path[-1], "key", None) == "logit_max":
+        return jnp.max(x, axis=0)
+      return jnp.sum(x, axis=0)
+    return jax.tree.map_with_path(reduce, stacked)
 
   def all_layers(self):
     """(group, index, Layer) for every layer, index into the aux structure. A "cycles"
