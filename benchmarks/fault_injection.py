@@ -215,6 +215,25 @@ def fault_injection(config: str, root: str, *, steps: int, checkpoint_every: int
           "differences": differences(ref_dir, dir_)}
 
 
+def environment() -> dict:
+  """When and where: UTC time, CPU model and core count, package versions (not imported)."""
+  from importlib import metadata  # noqa: PLC0415
+  cpu = "unknown CPU"
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      cpu = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  versions = {}
+  for name in ("jax", "orbax-checkpoint", "grain"):
+    try:
+      versions[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      versions[name] = "not installed"
+  return {"time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+          "device": f"{cpu}, {os.cpu_count()} cores (x86-64, CPU backend)", "versions": versions}
+
+
 def markdown(summary: dict) -> str:
   """The summary as the table in benchmarks/results/fault_injection.md."""
   rows = ["| run | kill after step | during a save | resumed from | last logged step "
@@ -227,15 +246,22 @@ def markdown(summary: dict) -> str:
   verdict = ("bit for bit equal: final train state (every array) and every logged metric "
              "but timings at every step" if not diffs else
              f"NOT equal, {len(diffs)} differences:\n\n" + "\n".join(f"- {d}" for d in diffs[:50]))
+  env = summary.get("environment") or environment()
+  saves = sum(e["during_save"] and bool(e["in_flight"]) for e in summary["events"])
   return (f"# Fault injection: kill -9 and rerun, against an uninterrupted run\n\n"
-          f"{datetime.date.today()}, `python benchmarks/fault_injection.py "
+          f"{env['time']}; {env['device']}; "
+          + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + "; "
+          f"`python benchmarks/fault_injection.py "
           f"--config={summary['config']} --steps={summary['steps']} "
           f"--checkpoint_every={summary['checkpoint_every']} "
           f"--kills={len(summary['events']) - 1} --seed={summary['seed']}"
           + "".join(f" --set={o.removeprefix('--config.')}" for o in summary["overrides"]
                     if o.split("=")[0] not in _DRIVER_FIELDS)
           + "` on CPU.\n\n"
-          f"Uninterrupted run: {summary['reference_seconds']} s.\n\n" + "\n".join(rows)
+          f"{len(summary['events']) - 1} kills (SIGKILL), {saves} of them with an async "
+          f"checkpoint save in flight. Uninterrupted run: {summary['reference_seconds']} s; "
+          f"interrupted run, all processes: {round(sum(e['seconds'] for e in summary['events']), 1)}"
+          f" s; whole benchmark: {summary.get('total_seconds', '-')} s.\n\n" + "\n".join(rows)
           + f"\n\nResult: {verdict}\n")
 
 
@@ -255,9 +281,12 @@ def main():
   p.add_argument("--write", action="store_true", help="write benchmarks/results/fault_injection.md")
   a = p.parse_args()
   root = a.workdir or tempfile.mkdtemp(prefix="k3jax-fault-injection-")
+  t0, env = time.time(), environment()
   summary = fault_injection(a.config, root, steps=a.steps, checkpoint_every=a.checkpoint_every,
                             kills=a.kills, seed=a.seed, env=subprocess_env(a.cache_dir),
                             overrides=[f"--config.{x}" for x in a.set], timeout=a.timeout)
+  summary.update(environment=env, total_seconds=round(time.time() - t0, 1))
+  print(json.dumps(summary, indent=1))
   text = markdown(summary)
   print(text)
   if a.write:

@@ -139,9 +139,9 @@ def run_fla(x, reps):
   return res
 
 
-def breakdown(shape, variants, reps, interpret=False):
+def breakdown(shape, variants, reps, interpret=False, chunk=64):
   """Times of the pieces at one shape: prep kernel (per tuning variant), rec_fwd, rec_bwd,
-  and the XLA prep's vjp used by the backward."""
+  and prep's backward (the kernel and the XLA vjp)."""
   import dataclasses  # noqa: PLC0415
   from pallas_kernels.kda import pallas as P  # noqa: PLC0415
   B, T, H, D = shape
@@ -149,7 +149,7 @@ def breakdown(shape, variants, reps, interpret=False):
   bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
   cfg, args = P.kernel_inputs(*(bf(n) for n in ("q", "k", "v", "g", "beta")), scale=None,
                               initial_state=jnp.asarray(x["h0"]), segment_ids=None,
-                              chunk_size=64, sub_chunk_size=16, interpret=interpret,
+                              chunk_size=chunk, sub_chunk_size=16, interpret=interpret,
                               platform=None, block_v=64, save_states=True)
   q, k, v, g, beta, st0, *masks = args
   out = {}
@@ -172,6 +172,8 @@ def breakdown(shape, variants, reps, interpret=False):
     return vjp(cots)
 
   out["prep_xla_vjp"] = time_jax(jax.jit(xla_vjp), (q, k, v, g, beta), reps)
+  prep_bwd = jax.jit(lambda *a: P.prep_bwd_pallas(cfg, *a))
+  out["prep_bwd_kernel"] = time_jax(prep_bwd, (q, k, v, g, beta, *masks, *cots), reps)
   for n, t in out.items():
     print(f"  {n}: {t:.3f} ms", flush=True)
 
@@ -182,7 +184,9 @@ def main():
   p.add_argument("--peer", default="fla", choices=["fla", "none"])
   p.add_argument("--reference", action="store_true", help="also the fp32 chunked form")
   p.add_argument("--variants", default="save",
-                 help="comma list of save, recompute, bv32, bv128, c32, c16")
+                 help="comma list of save, recompute, bv32, bv128, c32, c16, xlabwd; "
+                 "'+' combines (c16+xlabwd)")
+  p.add_argument("--chunk", type=int, default=64, help="chunk size of --breakdown")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU)")
@@ -190,9 +194,13 @@ def main():
   p.add_argument("--prep", default="", help="prep tunings for --breakdown: w8:tf32x3,w4:tf32")
   a = p.parse_args()
   known = {"save": dict(save_states=True), "recompute": dict(save_states=False),
-           "bv32": dict(block_v=32), "bv128": dict(block_v=128), "c32": dict(chunk_size=32),
-           "c16": dict(chunk_size=16)}
-  variants = {n: dict(known[n], interpret=a.interpret) for n in a.variants.split(",")}
+           "bv16": dict(block_v=16), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
+           "c32": dict(chunk_size=32),
+           "c16": dict(chunk_size=16), "xlabwd": dict(prep_bwd="xla")}
+  variants = {n: dict(interpret=a.interpret) for n in a.variants.split(",")}
+  for n, kw in variants.items():
+    for part in n.split("+"):
+      kw.update(known[part])
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   if a.breakdown:
     preps = {}
@@ -201,7 +209,7 @@ def main():
       preps[item] = dict(prep_warps=int(w[1:]), prep_precision=prec)
     for shape in a.shapes:
       print(shape, flush=True)
-      breakdown(tuple(map(int, shape.split(","))), preps, a.reps, a.interpret)
+      breakdown(tuple(map(int, shape.split(","))), preps, a.reps, a.interpret, a.chunk)
     return
   rows, dump = [], {}
   for shape in a.shapes:

@@ -54,19 +54,15 @@ def paths(shape, variants):
     out["gram_xla"] = functools.partial(newton_schulz, backend="gram_xla")
     if variants:
       P, A = jax.lax.Precision, jax.lax.DotAlgorithmPreset
+      x3 = dict(iterate="whole", iterate_precision=A.BF16_BF16_F32_X3)
       for name, kw in {
-          "pallas iterate=kernel": dict(iterate="kernel"),
-          "pallas iterate=fused tf32": dict(iterate="fused", iterate_precision=P.DEFAULT),
-          "pallas iterate=fused bf16": dict(iterate="fused", iterate_precision=A.BF16_BF16_F32),
-          "pallas iterate=whole": dict(iterate="whole"),
-          "pallas iterate=whole bf16": dict(iterate="whole", iterate_precision=A.BF16_BF16_F32),
           "pallas iterate=whole tf32": dict(iterate="whole", iterate_precision=P.DEFAULT),
-          "pallas iterate=whole tf32 tn256": dict(iterate="whole", iterate_precision=P.DEFAULT,
-                                                  tile_n=256),
-          "pallas iterate=whole tf32 stages4": dict(iterate="whole", iterate_precision=P.DEFAULT,
-                                                    num_stages=4),
-          "pallas iterate=whole tf32 stages2": dict(iterate="whole", iterate_precision=P.DEFAULT,
-                                                    num_stages=2),
+          "pallas iterate=whole bf16x3": x3,
+          "pallas iterate=whole bf16x3 stages2": dict(x3, num_stages=2),
+          "pallas iterate=whole bf16x3 stages4": dict(x3, num_stages=4),
+          "pallas iterate=whole bf16x3 tn128": dict(x3, tile_n=128),
+          "pallas iterate=whole bf16x3 tn128 stages4": dict(x3, tile_n=128, num_stages=4),
+          "pallas iterate=whole bf16x3 warps4": dict(x3, iterate_warps=4),
       }.items():
         out[name] = functools.partial(newton_schulz_gpu, **kw)
   return out
@@ -124,6 +120,48 @@ def check_kernel():
   return ok
 
 
+def spectrum_inputs(B, m, n, seed=0):
+  """name -> bf16 [B, m, n] blocks with a chosen spectrum (per block: random singular vectors).
+
+  Momentum matrices are far from Gaussian: their singular values spread over orders of
+  magnitude (low stable rank), and the Gram matrix squares that spread. "gauss": i.i.d.
+  normal; "cond 1e2" / "cond 1e4": singular values log-spaced over 2 / 4 decades;
+  "rank 4 + 1e-3": a rank-4 matrix plus 1e-3 noise.
+  """
+  rng = np.random.default_rng(seed)
+  out = {"gauss": rng.standard_normal((B, m, n))}
+  for cond in (1e2, 1e4):
+    blocks = []
+    for _ in range(B):
+      u, _ = np.linalg.qr(rng.standard_normal((m, m)))
+      v, _ = np.linalg.qr(rng.standard_normal((n, m)))
+      blocks.append((u * np.logspace(0, -np.log10(cond), m)) @ v.T)
+    out[f"cond {cond:.0e}"] = np.stack(blocks)
+  out["rank 4 + 1e-3"] = (rng.standard_normal((B, m, 4)) @ rng.standard_normal((B, 4, n))
+                          + 1e-3 * rng.standard_normal((B, m, n)))
+  return {k: jnp.asarray(v, jnp.bfloat16) for k, v in out.items()}
+
+
+def spectrum_errors(shape, variants):
+  """Each path's relative error against the float32 reference on inputs of several spectra;
+  returns the markdown lines."""
+  B, m, n = shape
+  inputs = spectrum_inputs(B, m, n)
+  lines = ["", f"Relative error vs the float32 reference, {B} x ({m} x {n}) bf16 blocks of "
+           "several spectra (`spectrum_inputs`):", "",
+           "| path | " + " | ".join(inputs) + " |", "|---|" + "---|" * len(inputs)]
+  refs = {k: jax.jit(newton_schulz_reference)(x) for k, x in inputs.items()}
+  for name, f in paths(shape, variants).items():
+    fn = jax.jit(f)
+    try:
+      errs = [f"{rel(fn(x), refs[k]):.1e}" for k, x in inputs.items()]
+    except Exception as e:  # noqa: BLE001
+      errs = [f"failed: {type(e).__name__}"] * len(inputs)
+    lines.append(f"| {name} | " + " | ".join(errs) + " |")
+    print(lines[-1], flush=True)
+  return lines
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
@@ -131,6 +169,9 @@ def main():
   ap.add_argument("--only", nargs="*", help="time only these paths")
   ap.add_argument("--out", help="also write the markdown table here")
   ap.add_argument("--check", action="store_true", help="first check the kernel on odd shapes")
+  ap.add_argument("--spectra", action="store_true",
+                  help="also the errors of every path on 16 x (128 x 7168) blocks of several "
+                  "spectra")
   args = ap.parse_args()
   if args.check:
     print("kernel checks passed" if check_kernel() else "KERNEL CHECKS FAILED", flush=True)
@@ -172,6 +213,8 @@ def main():
       print(row, flush=True)
       lines.append(row)
     del inputs, ref
+  if args.spectra:
+    lines += spectrum_errors((16, 128, 7168), args.variants)
   table = "\n".join(lines)
   print("\n" + table)
   if args.out:

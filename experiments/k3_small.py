@@ -23,7 +23,15 @@ def get_config(arg: str | None = None):
   m.moe.shared_dim = 768
   m.moe.dispatch = "capacity"  # ragged_dot is ~60x below the matmul rate on H200
   m.attn_res.block_layers = 4
-  m.kda.chunk_size = 32  # as measured on the H200; the KDA kernel's faster tile (results/kda.md)
+  # The pure-JAX chunk form at 32: on the H200 its train step equals the Pallas kernel's at
+  # chunk 16 (the kernel's best tile; --config.model.kda.backend=kernel
+  # --config.model.kda.chunk_size=16), results/kda.md
+  m.kda.chunk_size = 32
+  # A 12-layer, 768-wide MoonViT-V2 (86M + a 6M projector); off until the train step
+  # feeds images (a tower nothing reads would only take weight decay).
+  v = m.vision
+  v.num_layers, v.width, v.num_heads, v.head_dim, v.mlp_dim = 12, 768, 6, 128, 3_072
+  v.pos_grid, v.max_patches = 32, 4_096
 
   t = c.train
   # 16 x 4096 tokens a step as 8 microbatches of 2 rows: fits one H200 (47 GiB of step
@@ -32,4 +40,7 @@ def get_config(arg: str | None = None):
   t.steps = 10_000
   t.log_every, t.eval_every, t.checkpoint_every = 10, 500, 500
   c.optimizer.warmup_steps = 500
+  # Pieces read in 8 processes (of the H200 host's 16 cores) ahead of packing; the
+  # batches are those of worker_count=0.
+  c.data.worker_count = 8
   return c

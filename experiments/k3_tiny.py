@@ -26,6 +26,11 @@ def get_config(arg: str | None = None):
   m.attn_res.block_layers = 4
   m.dtype = "float32"  # CPU: bf16 matmuls are emulated and slower
   m.remat = "none"
+  # A toy MoonViT-V2 (2 layers, width 64); off until the train step feeds images. The byte
+  # vocabulary has no media placeholder: 258 is the first id after bos / eos.
+  v = m.vision
+  v.num_layers, v.width, v.num_heads, v.head_dim, v.mlp_dim = 2, 64, 2, 32, 256
+  v.pos_grid, v.max_patches, v.max_media, v.placeholder_id = 16, 1_024, 16, 258
 
   t = c.train
   t.seq_len, t.global_batch = 128, 8

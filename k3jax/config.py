@@ -79,6 +79,23 @@ def base_config() -> ml_collections.ConfigDict:
   r.enabled = True       # False: the plain residual stream
   r.block_layers = 12
 
+  v = m.vision = ml_collections.ConfigDict()   # MoonViT-V2 (K3_SPEC 6; k3jax.model.vision)
+  v.enabled = False      # True: K3Model builds the tower (images are not yet in the train step)
+  v.num_layers = 27
+  v.width = 1_024
+  v.num_heads = 12
+  v.head_dim = 128       # attention inner width heads * head_dim = 1536
+  v.mlp_dim = 4_096      # GELU-tanh MLP
+  v.patch_size = 14      # pixels per side of a patch: patches of 14 x 14 x 3
+  v.merge = 2            # m x m neighbouring patches are concatenated into one token
+  v.temporal_pool = 2    # video: this many consecutive frames are mean-pooled into one token
+  v.pos_emb = "grid"     # learned position table "grid" [G, G, width] or "factorized" [G] + [G]
+  v.pos_grid = 64        # G: the table's base grid, interpolated bilinearly to each image
+  v.max_patches = 16_384  # N: patches in one packed buffer (and most of one image)
+  v.max_media = 64       # images / videos in one packed buffer
+  v.projector_hidden = 0  # 0: RMSNorm + Dense merge**2 * width -> d_model; > 0: an MLP this wide
+  v.placeholder_id = 163_605  # the text token the image features replace (Kimi's media placeholder)
+
   t = c.train = ml_collections.ConfigDict()
   t.seq_len = 4_096
   t.global_batch = 1_024
@@ -115,6 +132,9 @@ def base_config() -> ml_collections.ConfigDict:
   u.ns_eps = 1e-7        # Newton-Schulz input: X / (||X||_F + ns_eps)
   u.ns_dtype = "bfloat16"  # Newton-Schulz operands (accumulation is fp32)
   u.ns_backend = "auto"  # pallas_kernels.newton_schulz backend
+  # GPU kernels' [m, m] iteration for bf16: "tf32" (faster) or "bf16x3" (~40x closer to the
+  # float32 polynomial on ill-conditioned blocks; 5% slower Newton-Schulz on the H200)
+  u.ns_gpu_iterate = "tf32"
   u.rms_scale = 0.2      # update = rms_scale * sqrt(max(fan_in, fan_out)) * NS(momentum)
   u.per_head = True      # per-head blocks for KDA q/k/v and MLA W_qb/W_kvb; False: whole matrix
   u.router = "adamw"     # the MoE router's optimizer: "adamw" or "muon"
@@ -149,6 +169,10 @@ RESTORE_FIELDS = (
     "model.moe.num_experts", "model.moe.expert_dim", "model.moe.latent_dim",
     "model.moe.num_shared", "model.moe.shared_dim", "model.moe.balancing",
     "model.attn_res.enabled", "model.attn_res.block_layers",
+    "model.vision.enabled", "model.vision.num_layers", "model.vision.width",
+    "model.vision.num_heads", "model.vision.head_dim", "model.vision.mlp_dim",
+    "model.vision.patch_size", "model.vision.merge", "model.vision.pos_emb",
+    "model.vision.pos_grid", "model.vision.projector_hidden",
     "optimizer.name", "optimizer.muon.per_head", "optimizer.muon.router",
 )
 
@@ -214,11 +238,14 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"must be 'k_plus_1' or 'leave_one_out', got {e.balance_cutoff!r}")
   r = m.attn_res
   _check(r.block_layers >= 1, "model.attn_res.block_layers", "must be >= 1")
+  _check_vision(m)
   p = c.mesh
   for heads in ("kda", "mla"):
     n = m[heads].num_heads
     _check(p.tensor == -1 or n % p.tensor == 0, "mesh.tensor",
            f"{p.tensor} does not divide model.{heads}.num_heads={n}")
+  _check(not m.vision.enabled or p.tensor == -1 or m.vision.num_heads % p.tensor == 0,
+         "mesh.tensor", f"{p.tensor} does not divide model.vision.num_heads={m.vision.num_heads}")
   _check(p.expert == -1 or e.num_experts % p.expert == 0, "mesh.expert",
          f"{p.expert} does not divide model.moe.num_experts={e.num_experts}")
   t = c.train
@@ -246,12 +273,32 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(len(u.ns_coeffs) == 3, "optimizer.muon.ns_coeffs", "must be 3 numbers (a, b, c)")
   _check(u.ns_dtype in DTYPES, "optimizer.muon.ns_dtype", f"must be one of {DTYPES}")
   _check(0 <= u.momentum < 1, "optimizer.muon.momentum", "must be in [0, 1)")
-  from pallas_kernels.newton_schulz import BACKENDS  # noqa: PLC0415
+  from pallas_kernels.newton_schulz import BACKENDS, GPU_ITERATE  # noqa: PLC0415
   _check(u.ns_backend in BACKENDS, "optimizer.muon.ns_backend",
          f"unknown backend {u.ns_backend!r} (known: {', '.join(BACKENDS)})")
+  _check(u.ns_gpu_iterate in GPU_ITERATE, "optimizer.muon.ns_gpu_iterate",
+         f"must be one of {', '.join(GPU_ITERATE)}, got {u.ns_gpu_iterate!r}")
   from k3jax.data import check_config as check_data  # noqa: PLC0415  (reads no file)
   try:
     check_data(c.data)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   return c
+
+
+def _check_vision(m: ml_collections.ConfigDict) -> None:
+  v = m.vision
+  for field in ("num_layers", "width", "num_heads", "head_dim", "mlp_dim", "patch_size",
+                "merge", "temporal_pool", "pos_grid", "max_media"):
+    _check(v[field] >= 1, f"model.vision.{field}", f"must be >= 1, got {v[field]}")
+  _check(v.pos_emb in ("grid", "factorized"), "model.vision.pos_emb",
+         f"must be 'grid' or 'factorized', got {v.pos_emb!r}")
+  unit = v.merge * v.merge * v.temporal_pool
+  _check(v.max_patches >= unit and v.max_patches % unit == 0, "model.vision.max_patches",
+         f"{v.max_patches} must be a positive multiple of merge**2 * temporal_pool = {unit}")
+  _check(v.projector_hidden >= 0, "model.vision.projector_hidden",
+         f"must be >= 0 (0: one Dense), got {v.projector_hidden}")
+  if v.enabled:
+    _check(0 <= v.placeholder_id < m.vocab_size, "model.vision.placeholder_id",
+           f"{v.placeholder_id} is not a token id of the vocabulary (vocab_size="
+           f"{m.vocab_size}); name a reserved id below it")

@@ -4,7 +4,9 @@
 
 Prints a per-component table, then as its last line JSON {"total": N, "active": N}.
 Active = every parameter a token uses: all non-routed parameters plus top_k/num_experts
-of the routed expert weights, excluding the input embedding table (the LM head counts).
+of the routed expert weights, excluding the input embedding table (the LM head counts)
+and the vision tower (it runs per image patch, not per text token; rows `vision_tower`
+and `vision_projector`, counted in the total).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from k3jax.model.kda import KDA
 from k3jax.model.latent_moe import LatentMoE
 from k3jax.model.mla import MLA
 from k3jax.model.situ_glu import GLUMLP
+from k3jax.model.vision import Projector, VisionTower
 
 
 # Innermost module type -> component name (order: most specific first).
 _COMPONENTS = ((LatentMoE, "moe"), (GLUMLP, "dense_ffn"), (KDA, "kda"), (MLA, "mla"),
-               (AttnResQuery, "attn_res"))
+               (AttnResQuery, "attn_res"), (Projector, "vision_projector"),
+               (VisionTower, "vision_tower"))
 
 
 def abstract_model(cfg) -> K3Model:
@@ -64,7 +68,7 @@ def count(cfg) -> tuple[dict[str, int], int, int]:
       owner = "moe_routed_experts" if routed else "moe_router_latent_shared"
     if owner == "moe_routed_experts":
       active += n * moe.top_k / moe.num_experts
-    elif owner != "embedding":
+    elif owner not in ("embedding", "vision_tower", "vision_projector"):
       active += n
     rows[owner] += n
   return dict(rows), sum(rows.values()), int(round(active))

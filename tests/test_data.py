@@ -2,6 +2,11 @@
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,9 +20,10 @@ PACKINGS = data.PACKINGS
 TOK = data.ByteTokenizer()
 
 
-def _cfg(packing="first_fit"):
+def _cfg(packing="first_fit", worker_count=0):
   cfg = data.data_config()
   cfg.packing = packing
+  cfg.worker_count = worker_count
   return cfg
 
 
@@ -201,6 +207,99 @@ def test_iterator_state_restores_exactly(packing):
         np.testing.assert_array_equal(x[k], y[k])
 
 
+# worker_count > 0: grain worker processes read the pieces; each start (spawn, import
+# grain) costs a few seconds, so these tests start as few as they can.
+def _state_equal(a, b):
+  return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_worker_processes_give_the_in_process_batches(packing):
+  # 20 batches of 8 rows: > 100 pieces, several chunks per worker, so both workers serve
+  # some; batches and iterator states are those of worker_count=0 at every step.
+  make = lambda workers: iter(data.make_dataset(_cfg(packing, workers), seq_len=SEQ,
+                                                global_batch=8, seed=6))
+  alone, workers = make(0), make(2)
+  for i in range(20):
+    want, got = next(alone), next(workers)
+    for k in data.FEATURES:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=f"{k}, batch {i}")
+    assert _state_equal(workers.get_state(), alone.get_state()), i
+  assert workers.get_state() != make(0).get_state()  # it moved
+  workers.close()
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_worker_iterator_state_restores_exactly(packing):
+  make = lambda workers: iter(data.make_dataset(_cfg(packing, workers), seq_len=SEQ,
+                                                global_batch=BATCH, seed=4))
+  it = make(2)
+  for _ in range(9):  # ~36 pieces: the state falls inside the second chunk
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = [next(it) for _ in range(4)]
+  it.close()
+  restored = make(2)
+  next(restored)  # running workers must be replaced, at the restored position
+  restored.set_state(state)
+  elsewhere = make(0)  # the state does not depend on the worker count
+  elsewhere.set_state(state)
+  for i, (x, y, z) in enumerate(zip(expected, [next(restored) for _ in range(4)],
+                                    [next(elsewhere) for _ in range(4)])):
+    for k in data.FEATURES:
+      np.testing.assert_array_equal(y[k], x[k], err_msg=f"{k}, batch {i} (2 workers)")
+      np.testing.assert_array_equal(z[k], x[k], err_msg=f"{k}, batch {i} (no workers)")
+  restored.close()
+
+
+_ORPHAN_CHECK = """
+import multiprocessing, time
+from k3jax import data
+
+if __name__ == "__main__":
+  cfg = data.data_config()
+  cfg.worker_count = 2
+  it = iter(data.make_dataset(cfg, seq_len=128, global_batch=4, seed=0))
+  for _ in range(12):  # > 32 pieces: a chunk from each worker
+    next(it)
+  print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+  time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return "zombie" not in f.read()
+  except FileNotFoundError:
+    return False
+
+
+def test_workers_exit_when_the_trainer_is_killed(tmp_path):
+  # A SIGKILLed trainer cannot stop its workers; each rerun after a kill would otherwise
+  # leave two more processes behind.
+  script = tmp_path / "orphan_check.py"
+  script.write_text(_ORPHAN_CHECK)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+       os.environ.get("PYTHONPATH", "")]))
+  proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                          env=env)
+  try:
+    pids = [int(p) for p in proc.stdout.readline().split()]
+  finally:
+    proc.kill()
+    proc.wait()
+  assert len(pids) == 2, pids
+  deadline = time.time() + 20
+  while any(map(_alive, pids)) and time.time() < deadline:
+    time.sleep(0.2)
+  left = [p for p in pids if _alive(p)]
+  for pid in left:  # do not leave them running when the test fails
+    os.kill(pid, signal.SIGKILL)
+  assert not left, f"worker processes {left} outlived their killed parent"
+
+
 def test_validation_split_is_finite_and_padded():
   ds = data.make_dataset(_cfg(), seq_len=SEQ, global_batch=BATCH, seed=0,
                          split="validation", num_epochs=1)
@@ -222,6 +321,8 @@ def test_data_config_defaults():
     [
         ("source", "c4", {}, "config.data.source"),
         ("packing", "best_fit", {}, "config.data.packing"),
+        ("worker_count", -1, {}, "config.data.worker_count"),
+        ("worker_buffer_size", 0, {}, "config.data.worker_buffer_size"),
         (None, None, {"global_batch": 6, "process_count": 4}, "global_batch"),
         (None, None, {"seq_len": 1}, "seq_len"),
         (None, None, {"process_index": 2, "process_count": 2}, "process_index"),

@@ -67,6 +67,18 @@ def test_kernel_matches_naive():
   check(out, grads, out_ref, grads_ref, RTOL_FP32, B)
 
 
+def test_kernel_chunk16_one_subtile():
+  """Chunks of 16 with sub-tiles of 16 (the GPU default: one diagonal tile per chunk, no
+  block-doubling merge), T = 50 (the last chunk padded), K != V: equal to naive."""
+  B, T, H, K, V = 1, 50, 2, 32, 16
+  inputs = make_inputs(4, B, T, H, K, V)
+  cot = cotangents(6, (B, T, H, V), (B, H, K, V))
+  out_ref, grads_ref = forward_and_grads(kda_naive, *inputs, *cot)
+  fn = functools.partial(interpret, chunk_size=16, sub_chunk_size=16)
+  out, grads = forward_and_grads(fn, *inputs, *cot)
+  check(out, grads, out_ref, grads_ref, RTOL_FP32, B)
+
+
 def test_kernel_bf16_recompute():
   """bf16 inputs, K = V = 64, 3 heads, T = 150 (chunks of 32, the last padded), V split in
   two blocks, chunk states recomputed in the backward: within fla's bf16 tolerances of the
@@ -110,6 +122,21 @@ def test_kernel_packed_documents():
   assert sum(DOC_LENGTHS[0]) == 100 and DOC_LENGTHS[0][:2] == [37, 1]
 
 
+def test_prep_backward_kernel_matches_naive():
+  """prep_bwd="kernel" (the vjp of the per-chunk maths inside one Pallas program per chunk,
+  instead of XLA's vjp of the vmapped maths): packed documents, an initial state, chunk 16
+  with sub-tiles of 8; every gradient vs naive, fp32."""
+  q, k, v, g, beta, h0 = make_inputs(15, 2, 100, 2, 16, 16)
+  seg = packed_segment_ids()
+  cot = cotangents(16, v.shape, h0.shape)
+  fn = functools.partial(interpret, chunk_size=16, sub_chunk_size=8, segment_ids=seg,
+                         prep_bwd="kernel")
+  out_ref, grads_ref = forward_and_grads(functools.partial(kda_naive, segment_ids=seg),
+                                         q, k, v, g, beta, h0, *cot)
+  out, grads = forward_and_grads(fn, q, k, v, g, beta, h0, *cot)
+  check(out, grads, out_ref, grads_ref, RTOL_FP32, 2)
+
+
 def test_kernel_unaligned_head_dims():
   """K = 20, V = 24 (padded inside to 32), one head, T = 40 (< one chunk), no initial
   state: output and final state vs naive, fp32."""
@@ -149,14 +176,19 @@ def test_lowers_for_cuda():
   args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H),
           sd(B, H, D, D, dt=jnp.float32), sd(B, T, dt=jnp.int32))
 
-  def loss(q, k, v, g, beta, h0, seg):
-    o, s = kda_pallas(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                      output_final_state=True, platform="gpu")
-    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+  def lowered(prep_bwd):
+    def loss(q, k, v, g, beta, h0, seg):
+      o, s = kda_pallas(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+                        output_final_state=True, platform="gpu", prep_bwd=prep_bwd)
+      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-  grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
-  text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 3  # prep, rec_fwd (states saved), rec_bwd
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+    return jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+  # prep, rec_fwd (states saved), rec_bwd; the prep_bwd kernel adds prep (recomputed)
+  # and itself
+  assert lowered("xla").count("__gpu$xla.gpu.triton") == 3
+  assert lowered("kernel").count("__gpu$xla.gpu.triton") == 5
 
 
 def test_tpu_form_matches_naive():
@@ -176,7 +208,8 @@ def test_tpu_form_matches_naive():
 def test_tpu_aot_compile():
   """Forward and backward compile for a TPU v5p 2x2x1 slice through libtpu (Mosaic), under
   shard_map with batch on one mesh axis and heads on the other: three Mosaic kernels in
-  the gradient (prep, recurrence forward with saved states, recurrence backward)."""
+  the gradient (prep, recurrence forward with saved states, recurrence backward), five
+  with prep_bwd="kernel" (prep again and prep's backward)."""
   import os  # noqa: PLC0415
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest -n 2: two workers
   from jax.sharding import NamedSharding  # noqa: PLC0415
@@ -193,11 +226,15 @@ def test_tpu_aot_compile():
           spec((B, H, D, D), P("data", "model"), jnp.float32), spec((B, T), P("data"),
                                                                      jnp.int32))
 
-  def loss(q, k, v, g, beta, h0, seg):
-    o, s = kda_pallas_sharded(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                              output_final_state=True, platform="tpu", mesh=mesh,
-                              batch_axis="data", head_axis="model")
-    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+  def compiled(prep_bwd):
+    def loss(q, k, v, g, beta, h0, seg):
+      o, s = kda_pallas_sharded(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
+                                output_final_state=True, platform="tpu", mesh=mesh,
+                                batch_axis="data", head_axis="model", prep_bwd=prep_bwd)
+      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(*args).lower().compile()
-  assert compiled.as_text().count("tpu_custom_call") == 3
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+    return jax.jit(grad).trace(*args).lower().compile().as_text()
+
+  assert compiled("xla").count("tpu_custom_call") == 3
+  assert compiled("kernel").count("tpu_custom_call") == 5

@@ -240,3 +240,49 @@ def test_capacity_drops_latest_positions_first_and_counts_them():
   np.testing.assert_allclose(np.asarray(y[1:]), np.asarray(y1), rtol=1e-5, atol=1e-5)
   # The first token of each row is never dropped: equals the dropless reference there.
   np.testing.assert_allclose(np.asarray(y[:, 0]), ref[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def scatter_form_capacity_moe(z, idx, weights, experts, num_experts, num_rows, capacity):
+  """The capacity dispatch written with scatter / gather and differentiated by JAX."""
+  n, k = idx.shape
+  row = jnp.arange(n * k) // (n // num_rows * k)
+  group = row * num_experts + idx.reshape(-1)
+  order = jnp.argsort(group, stable=True)
+  sizes = jnp.bincount(group, length=num_rows * num_experts)
+  rank = jnp.zeros_like(group).at[order].set(
+      jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[group[order]])
+  slots = num_rows * num_experts * capacity
+  slot = jnp.where(rank < capacity, group * capacity + rank, slots)
+  buf = jnp.zeros((slots, z.shape[-1]), z.dtype).at[slot].set(jnp.repeat(z, k, 0), mode="drop")
+  buf = buf.reshape(num_rows, num_experts, capacity, -1).swapaxes(0, 1)
+  out = experts(buf).swapaxes(0, 1).reshape(slots, -1)
+  pairs = out.at[slot].get(mode="fill", fill_value=0).reshape(n, k, -1)
+  return jnp.einsum("nk,nkl->nl", weights, pairs)
+
+
+def test_capacity_dispatch_gradients_equal_autodiff_of_the_scatter_form():
+  """The gather-only dispatch (custom VJPs) against JAX's autodiff of the scatter form, with
+  pairs dropped (capacity 2 of 12 pairs per expert and row): u and the gradients of z, the
+  routing weights and an expert matrix."""
+  from k3jax.model.moe_dispatch import capacity_moe  # noqa: PLC0415
+  rows, t, lat, k, e = 2, 16, 6, 3, 4
+  rng = np.random.default_rng(3)
+  z = jnp.asarray(rng.normal(size=(rows * t, lat)), jnp.float32)
+  idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(rows * t)]), jnp.int32)
+  w = jnp.asarray(rng.uniform(size=(rows * t, k)), jnp.float32)
+  mat = jnp.asarray(rng.normal(size=(e, lat, lat)), jnp.float32)
+  cot = jnp.asarray(rng.normal(size=(rows * t, lat)), jnp.float32)
+
+  def loss(dispatch, z, w, mat):
+    experts = lambda buf: jnp.tanh(jnp.einsum("erck,ekl->ercl", buf, mat))
+    u = dispatch(z, idx, w, experts, e, rows, 2)
+    return jnp.sum((u[0] if isinstance(u, tuple) else u) * cot)
+
+  ours = jax.jit(jax.value_and_grad(lambda *a: loss(capacity_moe, *a), (0, 1, 2)))(z, w, mat)
+  ref = jax.jit(jax.value_and_grad(lambda *a: loss(scatter_form_capacity_moe, *a),
+                                   (0, 1, 2)))(z, w, mat)
+  _, kept = capacity_moe(z, idx, w, lambda b: b, e, rows, 2)
+  assert 0 < int(jnp.sum(~kept)) < kept.size  # some pairs dropped, some kept
+  np.testing.assert_allclose(ours[0], ref[0], rtol=1e-5)
+  for a, b in zip(ours[1], ref[1]):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -141,6 +141,25 @@ def test_gpu_lowering_uses_triton(dtype):
   assert TRITON_CALL not in lowered((4, 256, 256))
 
 
+def test_gpu_iterate_precision():
+  """gpu_iterate picks the Triton iteration's precision for bf16 blocks (the lowered kernels
+  differ; float32 blocks iterate at HIGHEST either way), and the bf16x3 iteration equals
+  the reference in interpret mode; an unknown name is refused."""
+  def lowered(dtype, gpu_iterate):
+    spec = jax.ShapeDtypeStruct((96, 128, 1024), dtype)
+    f = functools.partial(newton_schulz, gpu_iterate=gpu_iterate)
+    return jax.jit(f).trace(spec).lower(lowering_platforms=("cuda",)).as_text()
+
+  assert lowered(jnp.bfloat16, "tf32") != lowered(jnp.bfloat16, "bf16x3")
+  assert lowered(jnp.float32, "tf32") == lowered(jnp.float32, "bf16x3")
+  x = blocks(5, (3, 16, 200), jnp.bfloat16)
+  out = newton_schulz_gpu(x, interpret=True, tile_n=32, iterate="whole",
+                          iterate_precision="bf16x3")
+  assert rel(out, reference(x)) < RTOL_BF16
+  with pytest.raises(ValueError, match="bf16x3"):
+    newton_schulz(x, gpu_iterate="bf16")
+
+
 def test_tpu_aot_compile():
   """The Mosaic kernel compiles for a v5p 2x2x1 slice with the blocks sharded over the 4
   chips and each orthogonalized where it lives (no collective), and "auto" picks it there

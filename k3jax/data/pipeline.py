@@ -26,6 +26,15 @@ The returned `grain.IterDataset` is checkpointable: `it.get_state()` is a small
 JSON-serialisable dict and `it.set_state(state)` on a fresh iterator resumes
 with exactly the same batches.
 
+`config.data.worker_count` > 0 reads the pieces (shuffle / mixture index lookup, reading
+and decoding the source, cutting the piece) in that many worker processes (grain's
+`mp_prefetch`), `_PIECES_PER_CHUNK` consecutive pieces per transfer; packing and batching
+stay in this process. Packing is sequential (a batch starts where the previous one ended),
+and grain's workers each pack their own slice, which would make the batches depend on the
+worker count; reading before packing in the workers keeps every batch and every iterator
+state the same under any worker count (0 included), so a checkpoint written with one count
+resumes under another.
+
 Text files are read and tokenized when the pipeline is built (once per process; kept for
 later calls, e.g. the validation split); prepared ArrayRecord shards are read lazily, piece
 by piece, which is what corpora larger than memory need.
@@ -35,11 +44,14 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import time
 from collections.abc import Sequence
 
 import grain
 import ml_collections
 import numpy as np
+from absl import flags
 
 from k3jax.data import sources as sources_lib
 from k3jax.data.corpus import default_documents
@@ -54,6 +66,8 @@ SOURCES = ("default", "files")
 #   piece cut at a row end continues in the next row as a new segment (positions from 0).
 PACKINGS = ("first_fit", "concat_then_split")
 FEATURES = ("inputs", "targets", "segment_ids", "positions", "weights")
+# data.worker_count > 0: consecutive pieces sent from a worker process in one transfer.
+_PIECES_PER_CHUNK = 32
 
 
 def data_config() -> ml_collections.ConfigDict:
@@ -76,6 +90,11 @@ def data_config() -> ml_collections.ConfigDict:
   # "validation" split when i % heldout_every == 0; 0 = hold out nothing.
   c.heldout_every = 20
   c.tokenizer = tokenizer_config()
+  # Processes reading the training split's pieces ahead of packing (0: in this process);
+  # batches and iterator states do not depend on it. Each keeps worker_buffer_size chunks
+  # of pieces ready. The validation split (a few batches per evaluation) stays in-process.
+  c.worker_count = 0
+  c.worker_buffer_size = 2
   return c
 
 
@@ -89,6 +108,10 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
   if not isinstance(cfg.heldout_every, int) or cfg.heldout_every < 0:
     raise ValueError(f"config.data.heldout_every must be an integer >= 0, "
                      f"got {cfg.heldout_every!r}")
+  for field, low in (("worker_count", 0), ("worker_buffer_size", 1)):
+    value = cfg.get(field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+      raise ValueError(f"config.data.{field} must be an integer >= {low}, got {value!r}")
   if cfg.source == "files" and not cfg.sources:
     raise ValueError("config.data.sources: source='files' needs at least one entry "
                      "(dict(paths=..., format=...))")
@@ -236,6 +259,100 @@ class _RestoreSliceTuplesIterator(grain.DatasetIterator):
     self._parent.set_state({**state, "remainder_slices": slices})
 
 
+def _concat_pieces(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  """A chunk of pieces as three arrays (few shared-memory blocks per transfer)."""
+  return {"inputs": np.concatenate([p["inputs"] for p in pieces]),
+          "targets": np.concatenate([p["targets"] for p in pieces]),
+          "lengths": np.array([len(p["inputs"]) for p in pieces], np.int64)}
+
+
+def _exit_with_parent(worker_index: int, worker_count: int) -> None:
+  """In a worker process: exit once the process that started it is gone. grain stops its
+  workers when the iterator is closed or collected, but a SIGKILLed trainer leaves them
+  running (blocked on a full queue); a rerun after each kill would pile them up."""
+  del worker_index, worker_count
+  parent = os.getppid()
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(1.0)
+    os._exit(0)
+
+  threading.Thread(target=watch, daemon=True, name="k3jax-exit-with-parent").start()
+
+
+class _WorkerPieces(grain.IterDataset):
+  """The elements of `pieces` in order, read ahead by `workers` processes.
+
+  The iterator's state is that of `pieces.to_iter_dataset()` ({"next_index": i}, the
+  number of pieces consumed), whatever the worker count; `set_state` restarts the workers
+  at piece i (they start on the first `next`, so a fresh iterator restored from a
+  checkpoint starts them once).
+  """
+
+  def __init__(self, pieces: grain.MapDataset, workers: int, buffer_size: int):
+    super().__init__()
+    self._pieces, self._workers, self._buffer_size = pieces, workers, buffer_size
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _WorkerPiecesIterator(self._pieces, self._workers, self._buffer_size)
+
+
+class _WorkerPiecesIterator(grain.DatasetIterator):
+
+  def __init__(self, pieces: grain.MapDataset, workers: int, buffer_size: int):
+    super().__init__()
+    self._pieces, self._workers, self._buffer_size = pieces, workers, buffer_size
+    self._next_index = 0
+    self._chunks = None   # the worker processes' iterator over chunks, from _next_index
+    self._ready = []      # pieces of the current chunk not yet returned
+
+  def _start(self):
+    if not flags.FLAGS.is_parsed():
+      # grain 0.2.18 reads one of its absl flags when it starts workers, which raises before
+      # flags are parsed (tests, notebooks; absl.app parses them): every flag keeps its
+      # default, which is what that read would get.
+      flags.FLAGS.mark_as_parsed()
+    chunks = self._pieces[self._next_index:].batch(_PIECES_PER_CHUNK, batch_fn=_concat_pieces)
+    ds = chunks.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(
+        num_workers=self._workers, per_worker_buffer_size=self._buffer_size),
+                        worker_init_fn=_exit_with_parent)
+    self._chunks = ds.__iter__()
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if not self._ready:
+      if self._chunks is None:
+        self._start()
+      chunk = next(self._chunks)
+      # Copies out of grain's shared memory, which is freed as soon as the chunk goes.
+      inputs, targets = np.array(chunk["inputs"]), np.array(chunk["targets"])
+      ends = np.cumsum(chunk["lengths"])[:-1]
+      del chunk
+      self._ready = [{"inputs": x, "targets": y} for x, y in
+                     zip(np.split(inputs, ends), np.split(targets, ends))]
+      self._ready.reverse()
+    self._next_index += 1
+    return self._ready.pop()
+
+  def get_state(self) -> dict:
+    return {"next_index": self._next_index}
+
+  def set_state(self, state: dict) -> None:
+    self._stop()
+    self._next_index, self._ready = int(state["next_index"]), []
+
+  def _stop(self) -> None:
+    chunks, self._chunks = getattr(self, "_chunks", None), None
+    if chunks is not None:
+      chunks.close()
+
+  def close(self) -> None:
+    """Stops the worker processes (grain's `__del__` calls this when collected)."""
+    self._stop()
+    super().close()
+
+
 def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   segment_ids = packed["inputs_segment_ids"]
   return {
@@ -268,7 +385,9 @@ def make_dataset(
 
   `num_epochs=None` repeats forever (training); an integer gives a finite
   stream (e.g. 1 for one pass over the validation split) whose last batch is
-  filled up with all-padding rows.
+  filled up with all-padding rows. `cfg.worker_count` > 0 (training split): pieces are read
+  in worker processes, started by the iterator's first `next`; `it.close()` stops them
+  (so does collecting the iterator, or the end of this process).
   """
   _check_process(process_index, process_count)
   if global_batch < 1 or global_batch % process_count:
@@ -277,7 +396,10 @@ def make_dataset(
         f"process_count={process_count}")
   local_batch = global_batch // process_count
   ds = piece_dataset(cfg, seq_len=seq_len, seed=seed, split=split, num_epochs=num_epochs)
-  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  if cfg.worker_count and split == "train":
+    ds = _WorkerPieces(ds, cfg.worker_count, cfg.worker_buffer_size)
+  else:
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   lengths = {"inputs": seq_len, "targets": seq_len}
   if cfg.packing == "first_fit":
     # global_batch bins: every piece fits an empty bin, so each flush is one full batch.

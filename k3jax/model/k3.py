@@ -11,6 +11,10 @@ are grouped as: a `prefix` holding the first hybrid cycle when it contains dense
 layers, `cycles` (identical [KDA]*(mla_every-1) + [MLA] cycles, parameters stacked on a
 leading `layers` axis and run under `jax.lax.scan`, so compile time does not grow with
 depth), and a `suffix` of the remaining layers.
+
+With `model.vision.enabled` the model also holds the MoonViT-V2 tower (`vision`);
+`embed_with_images` puts its features over the placeholder tokens of the input embedding.
+The train step does not feed images yet.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from k3jax.model.kda import KDA
 from k3jax.model.latent_moe import LatentMoE, update_bias
 from k3jax.model.mla import MLA
 from k3jax.model.situ_glu import GLUMLP
+from k3jax.model.vision import VisionTower, insert_features
+from k3jax.model.vision_pos import PackedMedia
 
 REMAT = {
     "none": None,
@@ -149,6 +155,10 @@ class K3Model(nnx.Module):
     self.final_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
     self.lm_head = layers.Dense(d, v, ("embed", "vocab"), rngs=rngs, dtype=self.dtype,
                                 param_dtype=pdt, muon=None)  # AdamW (K3_SPEC 5)
+    # MoonViT-V2 (K3_SPEC 6) when model.vision.enabled; not yet fed by the train step.
+    self.vision = nnx.data(VisionTower(cfg_model, rngs=rngs) if cfg_model.vision.enabled
+                           else None)
+    self.placeholder_id = cfg_model.vision.placeholder_id
 
   def _remat(self, fn):
     if self.remat == "none":
@@ -193,6 +203,20 @@ class K3Model(nnx.Module):
     h = attn_res.read(stream, self.out_query) if self.use_attn_res else stream
     logits = self.lm_head(self.final_norm(h))
     return constrain(logits, ("batch", "seq", "vocab")), aux
+
+  def embed_images(self, media: PackedMedia) -> jax.Array:
+    """Vision features [max_patches // merge**2, d] of packed images / videos (compute dtype;
+    `k3jax.model.vision`)."""
+    if self.vision is None:
+      raise ValueError("K3Model.embed_images: model.vision.enabled is False")
+    return self.vision(media)
+
+  def embed_with_images(self, tokens: jax.Array, media: PackedMedia) -> jax.Array:
+    """The input embedding [B, T, d] of `tokens` [B, T] with the k-th placeholder token
+    (model.vision.placeholder_id, row-major) replaced by image feature row k."""
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+    x = insert_features(x, tokens, self.embed_images(media), self.placeholder_id)
+    return constrain(x, ("batch", "seq", "embed"))
 
   @staticmethod
   def reduce_aux(stacked):

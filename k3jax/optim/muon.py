@@ -129,6 +129,7 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
                   ns_steps: int = 5, ns_coeffs: tuple[float, float, float] =
                   (3.4445, -4.7750, 2.0315), rms_scale: float = 0.2, eps: float = 1e-7,
                   ns_dtype: Any = jnp.bfloat16, ns_backend: str = "auto",
+                  ns_gpu_iterate: str = "tf32",
                   mesh: Mesh | None = None, specs: Any = None
                   ) -> optax.GradientTransformation:
   """Muon's direction: momentum, per-block Newton-Schulz, 0.2 sqrt(max fan) per block.
@@ -145,7 +146,7 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
 
   def orthogonalize(blocks, spec):
     ns = functools.partial(newton_schulz, steps=ns_steps, coeffs=ns_coeffs, eps=eps,
-                           backend=ns_backend)
+                           backend=ns_backend, gpu_iterate=ns_gpu_iterate)
     if mesh is None or spec is None:
       return ns(blocks)
     # Replicated blocks too: a Pallas kernel inside a partitioned program must sit in a
@@ -202,7 +203,8 @@ def muon(cfg: ml_collections.ConfigDict, schedule: optax.Schedule, params: Any,
   rule = scale_by_muon(
       _only(layouts, is_muon), beta=mu.momentum, nesterov=mu.nesterov,
       ns_steps=mu.ns_steps, ns_coeffs=tuple(mu.ns_coeffs), rms_scale=mu.rms_scale,
-      eps=mu.ns_eps, ns_dtype=jnp.dtype(mu.ns_dtype), ns_backend=mu.ns_backend, mesh=mesh,
+      eps=mu.ns_eps, ns_dtype=jnp.dtype(mu.ns_dtype), ns_backend=mu.ns_backend,
+      ns_gpu_iterate=mu.ns_gpu_iterate, mesh=mesh,
       specs=None if param_specs is None else _only(param_specs, is_muon))
   muon_tx = optax.chain(rule, optax.add_decayed_weights(o.weight_decay, _only(decay_mask, is_muon)),
                         optax.scale_by_learning_rate(schedule))

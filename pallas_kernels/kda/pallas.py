@@ -10,7 +10,9 @@ Three kernels, one `jax.custom_vjp`:
            of w, u, A_qk, q_s, k_s and dec written out (K-side ones as partial sums over
            the V blocks, added up outside).
 The backward of `prep` is `jax.vjp` of the same tile maths vmapped under XLA (recomputed,
-not stored); its UT inverse has the analytic gradient. Columns of V are independent in the
+not stored; `prep_bwd="xla"`, the default) or the same vjp inside one Pallas program per
+chunk (`prep_bwd="kernel"`, `prep_bwd_pallas`: 2.3x slower on the H200, compiles for TPU);
+the UT inverse has the analytic gradient. Columns of V are independent in the
 delta rule, so V blocks parallelize the recurrence at no extra work.
 
 GPU backend: Pallas Triton. Mosaic GPU (wgmma, TMA) is the faster road on the H200, but it
@@ -27,8 +29,9 @@ MXU, all of V (up to 128) per program. `kda_pallas_sharded` wraps it in shard_ma
 Layout: the wrapper moves [B, T, H, D] to [B, H, T, D] (padded to a multiple of the chunk,
 and D to a power of two >= 16): an extra XLA pass over q, k, v, g and o.
 
-Speed (H200, 2026-11-30, benchmarks/results/kda.md): at (8, 4096, 16, 128) the prep kernel
-dominates (latency-bound chains of small matmuls); the recurrence alone runs in 0.63 ms.
+Speed (H200, 2026-11-30, benchmarks/results/kda.md): chunks of 16 (one diagonal tile) are
+fastest on the GPU, forward 1.6x fla's at (8, 4096, 16, 128), forward + backward 2.4x; the
+backward's recurrence and prep vjp dominate.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ from pallas_kernels.kda import tile
 
 F32 = jnp.float32
 LOWER_BOUND = -5.0
+# block_v=None: V blocks of 64, or of 32 where 64 gives fewer recurrence programs than this.
+# H200, chunk 16: (1, 32768, 16, 128) forward + backward 36.3 ms at 64, 26.1 at 32, 26.5 at
+# 16; (8, 4096, 16, 128): 17.6 ms at 64 (256 programs), 18.0 at 32, 21.9 at 16.
+MIN_PROGRAMS = 256
 _MAX_EXPONENT = 80.0
 
 
@@ -62,6 +69,9 @@ class Config:
   save_states: bool = True  # False: the backward reruns rec_fwd for the chunk states
   prep_warps: int = 4  # measured on the H200: 4 warps twice as fast as 8
   prep_precision: str = "tf32x3"  # GPU fp32 matmuls in prep: "tf32x3", "tf32" or "ieee"
+  # the backward of prep: "kernel" (`prep_bwd_pallas`, one program per chunk) or "xla"
+  # (`jax.vjp` of the vmapped tile maths)
+  prep_bwd: str = "xla"
 
   @property
   def precision(self):
@@ -162,6 +172,44 @@ def prep_xla(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
                             chunks(doc_c), doc_r, chunks(sees), chunks(last))
   flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
   return flat(w), flat(u), flat(a), flat(qs), flat(ks), dec
+
+
+def _prep_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_ref,
+                     last_ref, dw_ref, du_ref, da_ref, dqs_ref, dks_ref, ddec_ref,
+                     dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, cfg):
+  """One chunk backwards: `jax.vjp` of `tile.chunk_prep` on the chunk's tiles (the forward
+  recomputed in registers), applied to the cotangents of its six outputs."""
+  masks = (docc_ref[...], docr_ref[...], sees_ref[...], last_ref[...])
+  prep = functools.partial(tile.chunk_prep, scale=cfg.scale, sub=cfg.sub, mm_dtype=cfg.mm,
+                           precision=cfg.prep_prec, in_kernel=False)
+  primals = [r[...].astype(F32) for r in (q_ref, k_ref, v_ref, g_ref, beta_ref)]
+  _, vjp = jax.vjp(lambda *x: prep(*x, *masks), *primals)
+  cots = [r[...].astype(F32) for r in (dw_ref, du_ref, da_ref, dqs_ref, dks_ref, ddec_ref)]
+  for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref), vjp(tuple(cots))):
+    ref[...] = x.astype(ref.dtype)
+
+
+def prep_bwd_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks,
+                    ddec):
+  """The cotangents of `prep_pallas`'s inputs q, k, v, g, beta (float32, their shapes) from
+  those of its outputs (dw, dq_s, dk_s [B, H, Tp, K], du [B, H, Tp, V], dA [B, H, Tp, C],
+  ddec [B, H, N, 1, K]), one program per chunk: the same maths as `jax.vjp(prep_xla)`."""
+  B, H, Tp, K = q.shape
+  V = v.shape[-1]
+  C = cfg.chunk
+  N = Tp // C
+  tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
+  col = pl.BlockSpec((None, C, 1), lambda b, h, n: (b, n, 0))
+  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), F32) for d in (K, K, V, K, 1)]
+  return _call(
+      cfg, functools.partial(_prep_bwd_kernel, cfg=cfg), grid=(B, H, N),
+      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col,
+                pl.BlockSpec((None, None, 1, C), lambda b, h, n: (b, n, 0, 0)), col, col,
+                tok(K), tok(V), tok(C), tok(K), tok(K),
+                pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))],
+      out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
+      out_shape=out_shape, num_warps=cfg.prep_warps,
+  )(q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec)
 
 
 # -------------------------------------------------------------------------------- recurrence
@@ -409,13 +457,20 @@ def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
 def _core_bwd(cfg, res, cots):
   q, k, v, g, beta, st0, doc_c, doc_r, sees, last, states = res
   do, dst = cots
-  prep_fn = lambda *x: prep_xla(cfg, *x, doc_c, doc_r, sees, last)
-  prep, prep_vjp = jax.vjp(prep_fn, q, k, v, g, beta)
-  stored = [x.astype(dt) for x, dt in zip(prep, _prep_dtypes(cfg))]
+  masks = (doc_c, doc_r, sees, last)
+  if cfg.prep_bwd == "kernel":
+    stored = prep_pallas(cfg, q, k, v, g, beta, *masks)
+  else:
+    prep, prep_vjp = jax.vjp(lambda *x: prep_xla(cfg, *x, *masks), q, k, v, g, beta)
+    stored = [x.astype(dt) for x, dt in zip(prep, _prep_dtypes(cfg))]
   if states is None:  # recompute the chunk states
     states = rec_fwd(cfg, *stored, st0, q.dtype, True)[2]
   dw, du, da, dqs, dks, ddec, dst0 = rec_bwd(cfg, *stored, states, do, dst)
-  dq, dk, dv, dg, dbeta = prep_vjp((dw, du, da, dqs, dks, ddec))
+  if cfg.prep_bwd == "kernel":
+    dq, dk, dv, dg, dbeta = prep_bwd_pallas(cfg, q, k, v, g, beta, *masks, dw, du, da, dqs,
+                                            dks, ddec)
+  else:
+    dq, dk, dv, dg, dbeta = prep_vjp((dw, du, da, dqs, dks, ddec))
   cast = lambda d, x: d.astype(x.dtype)
   zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
   return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), dst0,
@@ -434,7 +489,7 @@ def _pow2(n, lo=16):
 
 def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                output_final_state=False, chunk_size=64, sub_chunk_size=16, interpret=False,
-               platform=None, block_v=64, save_states=True, **tuning):
+               platform=None, block_v=None, save_states=True, **tuning):
   """Chunked KDA through the Pallas kernels; same contract as `kda_naive`, for any T.
 
   Args:
@@ -447,7 +502,8 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
       (C % L == 0, |LOWER_BOUND| (L - 1) <= 80).
     interpret: run the kernels in Pallas interpret mode (any device, CPU included).
     platform: "gpu" or "tpu"; None: the default backend's.
-    block_v: V columns per program of the recurrence.
+    block_v: V columns per program of the recurrence (GPU, interpret); None: 64, or 32
+      where B * H * V / 64 < MIN_PROGRAMS (long sequences of few rows and heads).
     save_states: keep the state entering each chunk for the backward (else recompute).
     tuning: further `Config` fields (prep_warps, prep_precision).
 
@@ -486,6 +542,8 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   platform = platform or ("cpu" if interpret else jax.default_backend())
   if platform == "cuda":
     platform = "gpu"
+  if block_v is None:
+    block_v = 64 if B * H * max(1, _pow2(V) // 64) >= MIN_PROGRAMS else 32
   cfg = Config(scale=float(K ** -0.5 if scale is None else scale), chunk=C, sub=L,
                block_v=block_v, mm_dtype=jnp.dtype(q.dtype).name if q.dtype == jnp.bfloat16
                else "float32", interpret=interpret, platform=platform,

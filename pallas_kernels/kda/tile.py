@@ -22,16 +22,58 @@ from jax import lax
 F32 = jnp.float32
 
 
+_CONTRACT = {"nn": (1, 0), "nt": (1, 1), "tn": (0, 0)}
+
+
+def _dot(a, b, dims, precision):
+  return lax.dot_general(a, b, (((_CONTRACT[dims][0],), (_CONTRACT[dims][1],)), ((), ())),
+                         precision=precision, preferred_element_type=F32)
+
+
 def dot(a, b, dims, precision, dtype=None):
   """2-D matmul with fp32 accumulation. dims: 'nn' (a b), 'nt' (a b^T), 'tn' (a^T b).
-  Operands are cast to `dtype` (float32 when None)."""
-  contract = {"nn": (1, 0), "nt": (1, 1), "tn": (0, 0)}[dims]
+  Operands are cast to `dtype` (float32 when None; bf16 runs the tensor cores' native
+  product, `precision` then unused)."""
   dtype = dtype or F32
-  if dtype != F32:
-    precision = None  # bf16 operands: the tensor cores' native product, fp32 accumulation
-  return lax.dot_general(a.astype(dtype), b.astype(dtype), (((contract[0],), (contract[1],)),
-                                                           ((), ())),
-                         precision=precision, preferred_element_type=F32)
+  if dtype == F32:
+    return _dot(a.astype(F32), b.astype(F32), dims, precision)
+  return _dot(a.astype(dtype), b.astype(dtype), dims, None)
+
+
+def dot_ad(a, b, dims, precision, dtype=None):
+  """`dot` whose low-precision products differentiate into float32 products at `precision`
+  of the cotangent with the rounded operands (for code that is differentiated: a kernel
+  body cannot hold the custom VJP itself, only its result under `jax.vjp`)."""
+  dtype = dtype or F32
+  if dtype == F32:
+    return dot(a, b, dims, precision)
+  return _dot_low(a, b, dims, precision, jnp.dtype(dtype).name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dot_low(a, b, dims, precision, dtype):
+  return _dot(a.astype(dtype), b.astype(dtype), dims, None)
+
+
+def _dot_low_fwd(a, b, dims, precision, dtype):
+  a, b = a.astype(dtype), b.astype(dtype)
+  return _dot(a, b, dims, None), (a, b)
+
+
+def _dot_low_bwd(dims, precision, dtype, res, ct):
+  # (XLA's own transpose would multiply a float32 cotangent by a bf16 operand: a mixed
+  # product that Triton does not take)
+  a, b = (x.astype(F32) for x in res)
+  if dims == "nn":  # a [m, k], b [k, n]
+    da, db = _dot(ct, b, "nt", precision), _dot(a, ct, "tn", precision)
+  elif dims == "nt":  # a [m, k], b [n, k]
+    da, db = _dot(ct, b, "nn", precision), _dot(ct, a, "tn", precision)
+  else:  # "tn": a [k, m], b [k, n]
+    da, db = _dot(b, ct, "nt", precision), _dot(a, ct, "nn", precision)
+  return da, db
+
+
+_dot_low.defvjp(_dot_low_fwd, _dot_low_bwd)
 
 
 def invert_unit_lower(a, precision):
@@ -66,9 +108,8 @@ def _inv_fwd(a, precision):
 
 
 def _inv_bwd(precision, x, dx):
-  hi = lax.Precision.HIGHEST
-  return (-jnp.matmul(jnp.matmul(jnp.swapaxes(x, -1, -2), dx, precision=hi),
-                      jnp.swapaxes(x, -1, -2), precision=hi),)
+  # 2-D products only (no transposes), so that the backward kernel's body can hold it too
+  return (-dot(dot(x, dx, "tn", precision), x, "nt", precision),)
 
 
 invert_unit_lower_ad.defvjp(_inv_fwd, _inv_bwd)
@@ -91,7 +132,8 @@ def chunk_prep(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm_dty
       e^{5 (L - 1)}.
     mm_dtype: operand dtype of the score matmuls (bf16 for bf16 inputs, else float32).
     precision: precision of the float32 matmuls (cumulative sums, inverse, UT products).
-    in_kernel: False under XLA (vmapped), where the inverse gets its analytic gradient.
+    in_kernel: False when the result is differentiated (the XLA form, the backward
+      kernel): the inverse then gets its analytic gradient.
 
   Returns (float32):
     w [C, K]: (I + A_kk)^-1 (beta k e^G) for state-seeing tokens; v_new = u - w S.
@@ -123,7 +165,7 @@ def chunk_prep(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm_dty
   e = exact(span, g)
 
   def mm(a, b, dims):
-    return dot(a, b, dims, precision, mm_dtype)
+    return (dot if in_kernel else dot_ad)(a, b, dims, precision, mm_dtype)
 
   same_tile = (t & -sub) == (j & -sub)
   k_diag = k * jnp.exp(-e)  # <= e^{75} for L = 16

@@ -56,6 +56,12 @@ GPU_MAX_ROWS = 128  # the GPU Gram kernel keeps an [m, m] float32 accumulator in
 TPU_MAX_BLOCK_BYTES = 10 * 2**20  # VMEM holds 2 input and 2 output blocks
 GPU_TARGET_PROGRAMS = 264  # 2 programs per SM of an H100/H200
 WHOLE_MIN_BLOCKS = 64  # one program per block ("whole") from this many blocks
+# The GPU kernels' [m, m] iteration for bf16 inputs (float32 accumulation either way). H200,
+# 96 x 128 x 7168: tf32 0.258-0.262 ms, bf16x3 0.272-0.276 ms; error against the float32
+# reference on ill-conditioned blocks (cond 1e4, rank 4 + noise): tf32 0.17-0.29, about
+# plain XLA's bf16 (0.14-0.75), bf16x3 0.004-0.006 (benchmarks/results/newton_schulz.md).
+GPU_ITERATE = {"tf32": jax.lax.Precision.DEFAULT,
+               "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3}
 
 
 def _out_struct(shape, dtype, like):
@@ -243,9 +249,10 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
     "xla": batched XLA matmuls between the Gram and apply kernels; the float32 default:
       Triton's IEEE float32 dots become unrolled FMA code, and a program of 17 [128, 128]
       products did not finish compiling in 110 s on the H200.
-  iterate_precision: the iteration's matmul precision: default HIGHEST for float32 x, tf32
-    operands otherwise (float32 accumulation; H200: 0.266 ms and error 2.8e-3 against the
-    float32 reference, vs 0.281 ms and 3.4e-4 with bf16x3, 0.208 ms and 1.6e-2 with bf16).
+  iterate_precision: the iteration's matmul precision, a name of GPU_ITERATE or any jax
+    precision: default HIGHEST for float32 x, "tf32" otherwise (float32 accumulation; H200:
+    0.266 ms and error 2.8e-3 against the float32 reference on Gaussian blocks, vs 0.281 ms
+    and 3.4e-4 with "bf16x3", 0.208 ms and 1.6e-2 with bf16 operands).
 
   Rows are padded to a power of two >= 16 (Triton tiles), columns to a multiple of the tile
   (tile_n, default 64 for float32, 256 for bf16 "whole", 128 otherwise). splits: column
@@ -274,7 +281,8 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
 
   if iterate_precision is None:
     # DEFAULT: tf32 operands in Triton (float32 in interpret mode on a CPU)
-    iterate_precision = _HI if exact else jax.lax.Precision.DEFAULT
+    iterate_precision = _HI if exact else "tf32"
+  iterate_precision = GPU_ITERATE.get(iterate_precision, iterate_precision)
   dot = lambda u, v: jnp.matmul(u, v, precision=iterate_precision, preferred_element_type=_F32)
   poly = functools.partial(gram_matrix_polynomial, steps=steps, coeffs=coeffs, eps=eps, dot=dot)
   iterate_params = pltriton.CompilerParams(num_warps=iterate_warps, num_stages=num_stages)

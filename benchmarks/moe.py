@@ -1,0 +1,180 @@
+"""The LatentMoE layer of a config, forward and forward+backward, with its parts timed apart.
+
+  python benchmarks/moe.py --config=experiments/k3_small.py
+  python benchmarks/moe.py --config=experiments/k3_small.py --capacity_factors=2,1.25 \
+      --dispatches=capacity,dropless --out=$OUT/moe.md
+
+One layer (`k3jax.model.latent_moe.LatentMoE`, built from the config, bf16 compute), on
+random activations x [rows, seq_len, d] (rows: the config's microbatch). Timed per
+dispatch and capacity factor, each forward ("fwd") and forward + backward to the
+parameters and x ("fwd+bwd"):
+  layer     the whole layer: router, top-k, down-projection, dispatch, experts, combine,
+            latent norm, up-projection, shared experts;
+  experts   the three expert matmuls alone on the layer's own buffer shape
+            ([E, rows, C, L] for "capacity", sorted rows for "dropless");
+  dispatch  the dispatch alone: the layer's gathers into buffers and back and the weighted
+            combine, with identity experts (capacity), or the sort and unsort (dropless);
+            compiled on its own, so XLA may fuse it differently than inside the layer;
+  non-expert  layer - experts: dispatch, router, projections, norm and shared experts as
+            they run inside the layer.
+TFLOP/s: "useful" counts only the (token, slot) pairs (what the model needs), "issued" the
+whole buffer including empty capacity slots (what the matmul units run). The ceiling is
+ANCHORS.md's 669 TFLOP/s batched einsum fwd+bwd on the H200 (issue 5: expert matmuls >= 80%
+of it, the whole layer >= 50%).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from k3jax import cli
+from k3jax import config as k3config
+from k3jax.model import latent_moe, moe_dispatch
+from k3jax.model.situ_glu import glu_activation
+
+CEILING_TFLOPS = 669.0  # ANCHORS.md: batched einsum [E, C, K] x [E, K, N], fwd+bwd, H200
+
+_DISPATCHES = flags.DEFINE_list("dispatches", ["capacity"], "moe.dispatch values to time")
+_FACTORS = flags.DEFINE_list("capacity_factors", ["2.0", "1.25"],
+                             "capacity factors to time (capacity dispatch)")
+_ROWS = flags.DEFINE_integer("rows", 0, "rows of x (0: the config's microbatch)")
+_REPS = flags.DEFINE_integer("reps", 20, "timed calls per measurement (after 2 warm-ups)")
+_OUT = flags.DEFINE_string("out", None, "also write the markdown table here")
+
+
+def timed_ms(fn, *args, reps):
+  """Median milliseconds per call of the jitted fn(*args)."""
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times)) * 1e3
+
+
+def fwd_and_bwd(f):
+  """f(params, x) -> array  ==>  (forward, forward + backward to params and x), jitted."""
+  def loss(params, x):
+    y = f(params, x)
+    return jnp.sum(y.astype(jnp.float32) * jnp.cos(y.astype(jnp.float32)))  # non-trivial dy
+  return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def layer_parts(cfg_model, rows: int, seq: int, key):
+  """The layer and its separately timed parts: name -> (f(params, x), params, x, flops)."""
+  m, e = cfg_model, cfg_model.moe
+  d, n_exp, lat, hid, k = m.d_model, e.num_experts, e.latent_dim, e.expert_dim, e.top_k
+  dtype = jnp.dtype(m.dtype)
+  n = rows * seq
+  layer = latent_moe.LatentMoE(m, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(layer)
+  kx, kz, ki = jax.random.split(key, 3)
+  x = jax.random.normal(kx, (rows, seq, d), dtype)
+
+  def run_layer(state, x):
+    return nnx.merge(graphdef, state)(x)[0]
+
+  # The routing the layer itself makes, for the buffers of the parts below.
+  _, aux = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+  act = glu_activation(m.ffn.activation, m.ffn.situ_b1, m.ffn.situ_b2)
+  w = {"g": layer.w_g[...], "u": layer.w_u[...], "d": layer.w_d[...]}
+  z = jax.random.normal(kz, (n, lat), dtype)
+  idx = jax.random.randint(ki, (n, k), 0, n_exp)  # random routing: same shapes, similar load
+  weights = jnp.full((n, k), 1.0 / k, jnp.float32)
+  per_pair = 3 * 2 * lat * hid  # expert FLOPs of one (token, slot) pair, forward
+  useful = n * k * per_pair
+  dense = n * (2 * d * n_exp + 2 * d * lat + 2 * lat * d + e.num_shared * 3 * 2 * d * e.shared_dim)
+  parts = {"layer": (run_layer, state, x, useful + dense)}
+
+  if e.dispatch == "dropless":
+    parts["experts"] = (
+        lambda w, rows_: moe_dispatch.ragged_glu_experts(w["g"], w["u"], w["d"], act, dtype)(
+            rows_, jnp.full((n_exp,), n * k // n_exp, jnp.int32)),
+        w, jnp.repeat(z, k, axis=0), useful)
+    parts["dispatch"] = (
+        lambda _, z: moe_dispatch.dropless_moe(z, idx, weights, lambda r, g: r, n_exp),
+        {}, z, 0)
+  else:
+    capacity = max(1, math.ceil(e.capacity_factor * seq * k / n_exp))
+    buf = jax.random.normal(kz, (n_exp, rows, capacity, lat), dtype)
+    parts["experts"] = (
+        lambda w, b: moe_dispatch.batched_glu_experts(w["g"], w["u"], w["d"], act, dtype)(b),
+        w, buf, n_exp * rows * capacity * per_pair)
+    parts["dispatch"] = (
+        lambda _, z: moe_dispatch.capacity_moe(z, idx, weights, lambda b: b, n_exp, rows,
+                                               capacity)[0],
+        {}, z, 0)
+  return parts, aux, useful + dense
+
+
+def main(argv):
+  del argv
+  base = k3config.validate(cli.CONFIG.value)
+  t = base.train
+  rows = _ROWS.value or t.global_batch // t.microbatches
+  dev = jax.devices()[0]
+  e = base.model.moe
+  head = (f"LatentMoE of the config: d {base.model.d_model}, {e.num_experts} experts top-"
+          f"{e.top_k}, latent {e.latent_dim}, expert hidden {e.expert_dim}, "
+          f"{e.num_shared} shared x {e.shared_dim}; x [{rows}, {t.seq_len}, "
+          f"{base.model.d_model}] {base.model.dtype}; {datetime.date.today()}, "
+          f"{dev.device_kind}, jax {jax.__version__}. Median of {_REPS.value} calls.")
+  print("# " + head, flush=True)
+  lines = [head, "",
+           "| dispatch | capacity factor | part | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s "
+           "(useful / issued) | of 669 (issued) | share of layer fwd+bwd |",
+           "|---|---|---|---|---|---|---|---|"]
+  runs = [(d, float(f)) for d in _DISPATCHES.value
+          for f in (_FACTORS.value if d != "dropless" else ["0"])]
+  for dispatch, factor in runs:
+    cfg = base.copy_and_resolve_references()
+    with cfg.unlocked():
+      cfg.model.moe.dispatch = dispatch
+      if factor:
+        cfg.model.moe.capacity_factor = factor
+    parts, aux, layer_flops = layer_parts(cfg.model, rows, t.seq_len, jax.random.key(0))
+    pairs = rows * t.seq_len * e.top_k
+    dropped = int(aux["dropped"])
+    print(f"# {dispatch} cf {factor}: {dropped} of {pairs} pairs dropped "
+          f"({dropped / pairs:.2%})", flush=True)
+    times = {}
+    for name, (f, params, x, issued) in parts.items():
+      fwd, bwd = fwd_and_bwd(f)
+      times[name] = (timed_ms(fwd, params, x, reps=_REPS.value),
+                     timed_ms(bwd, params, x, reps=_REPS.value), issued)
+    lay = times["layer"][1]
+    times["non-expert"] = (times["layer"][0] - times["experts"][0],
+                           lay - times["experts"][1], 0)
+    for name, (f_ms, b_ms, issued) in times.items():
+      useful = {"layer": layer_flops, "experts": pairs * 6 * e.latent_dim * e.expert_dim}.get(name)
+      rate = ""
+      if useful:
+        rate = f"{3 * useful / b_ms / 1e9:.0f}"
+        if issued and issued != useful:
+          rate += f" / {3 * issued / b_ms / 1e9:.0f}"
+      of_ceiling = f"{3 * (issued or useful) / b_ms / 1e9 / CEILING_TFLOPS:.0%}" if useful else ""
+      row = (f"| {dispatch} | {factor or '-'} | {name} | {f_ms:.2f} | {b_ms:.2f} | {rate} | "
+             f"{of_ceiling} | {b_ms / lay:.0%} |")
+      print(row, flush=True)
+      lines.append(row)
+    lines.append(f"| {dispatch} | {factor or '-'} | dropped pairs | {dropped} of {pairs} "
+                 f"({dropped / pairs:.2%}) | | | | |")
+  table = "\n".join(lines)
+  print("\n" + table)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

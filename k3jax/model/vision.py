@@ -1,0 +1,204 @@
+"""MoonViT-V2, the K3 vision tower (K3_SPEC 6), and where its features enter the text.
+
+  x     = patches W_patch + pos(row, col | h, w) [+ sincos(frame) for videos]   [N, width]
+  x     = Block^L(x, segment_ids)      pre-norm, bidirectional attention within an item
+  x     = RMSNorm(x)                                                            [N, width]
+  z     = merge(x)                     m x m window -> concat (row-major)       [K, m*m*width]
+  z     = mean over the temporal_pool windows of one video token (images: itself)
+  y     = projector(z)                 RMSNorm + Dense (or an MLP with GELU-tanh) [K, d_model]
+
+  Block(x) = x + Attn(RMSNorm(x)); x + W_2 gelu_tanh(W_1 RMSNorm(x))
+  Attn     = softmax(q k^T / sqrt(head_dim), same item) v W_o, heads x head_dim (12 x 128 in
+             K3: inner 1536, wider than the 1024 width), no biases anywhere.
+
+Inputs are PackedMedia (`vision_pos`: several images and videos of any size packed into
+one fixed-shape buffer of N patches, NaViT-style; segment ids confine attention to an
+item). K = N // merge**2 output rows: the tokens of the items in order, then zeros.
+`insert_features` writes them over the placeholder tokens of a text embedding.
+
+Not in the spec and left out: rotary positions inside the tower (MoonViT v1 had 2-D RoPE
+besides its interpolated table); the tower is from scratch (no contrastive init).
+
+Parameter count of K3's tower (27 layers, width 1024, 12 x 128, MLP 4096, patch 14, a 64 x 64
+position grid): 27 x 14,682,112 (q, k, v, o, MLP, two norms) + 602,112 (patch embedding) +
+4,194,304 (position table) + 1,024 (final norm) = 401,214,464 -- the ~401M quoted for
+MoonViT-V2, which is therefore the tower without the projector. The projector to K3's width
+adds 4,096 (norm) + 4,096 x 7,168 = 29,364,224 (431M with it); `param_counts` gives both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.model import layers
+from k3jax.model.axes import constrain
+from k3jax.model.layers import Dense, RMSNorm
+from k3jax.model.vision_pos import (PackedMedia, grid_embedding, line_embedding,
+                                    sincos_embedding)
+
+# The packed patch axis shards like a batch axis: patches are independent rows everywhere
+# except inside attention.
+NE = ("batch", "embed")
+NHD = ("batch", "heads", "head_dim")
+
+
+def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                      scale: float) -> jax.Array:
+  """Bidirectional attention confined to segments. q, k: [N, H, Dk]; v: [N, H, Dv];
+  segment_ids [N] int (0 = padding: a padding patch sees only itself). -> [N, H, Dv] in
+  v's dtype; scores and softmax in fp32."""
+  scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) * scale
+  same = segment_ids[:, None] == segment_ids[None, :]
+  diag = jnp.eye(segment_ids.shape[0], dtype=bool)
+  mask = same & ((segment_ids != 0)[:, None] | diag)                    # [N, N]
+  p = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
+  out = jnp.einsum("hts,shd->thd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.astype(v.dtype)
+
+
+class VisionBlock(nnx.Module):
+  """One pre-norm transformer block. x [N, width], segment_ids [N] -> [N, width]."""
+
+  def __init__(self, v, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+    shape, dense = (v.num_heads, v.head_dim), dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.scale = v.head_dim ** -0.5
+    self.attn_norm = RMSNorm(v.width, eps=eps, param_dtype=param_dtype, rngs=rngs)
+    self.wq = Dense(v.width, shape, ("embed", "heads", "head_dim"), muon="per_head", **dense)
+    self.wk = Dense(v.width, shape, ("embed", "heads", "head_dim"), muon="per_head", **dense)
+    self.wv = Dense(v.width, shape, ("embed", "heads", "head_dim"), muon="per_head", **dense)
+    self.wo = Dense(shape, v.width, ("heads", "head_dim", "embed"), **dense)
+    self.mlp_norm = RMSNorm(v.width, eps=eps, param_dtype=param_dtype, rngs=rngs)
+    self.w1 = Dense(v.width, v.mlp_dim, ("embed", "mlp"), **dense)
+    self.w2 = Dense(v.mlp_dim, v.width, ("mlp", "embed"), **dense)
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    h = self.attn_norm(x)
+    q, k, v = (constrain(w(h), NHD) for w in (self.wq, self.wk, self.wv))
+    o = constrain(segment_attention(q, k, v, segment_ids, self.scale), NHD)
+    x = constrain(x + self.wo(o), NE)
+    u = constrain(self.w1(self.mlp_norm(x)), ("batch", "mlp"))
+    u = jax.nn.gelu(u.astype(jnp.float32), approximate=True).astype(self.dtype)
+    return constrain(x + self.w2(u), NE)
+
+
+class Projector(nnx.Module):
+  """Merged features [K, m*m*width] -> [K, d_model]: RMSNorm, then one Dense (hidden = 0,
+  K3_SPEC's "1024*4 -> 7168") or Dense -> GELU-tanh -> Dense (hidden > 0)."""
+
+  def __init__(self, dim: int, hidden: int, out: int, *, eps: float, dtype, param_dtype,
+               rngs: nnx.Rngs):
+    dense = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    self.norm = RMSNorm(dim, None, eps=eps, param_dtype=param_dtype, rngs=rngs)
+    self.hidden = hidden
+    if hidden:
+      self.w1 = Dense(dim, hidden, (None, "mlp"), **dense)
+      self.w2 = Dense(hidden, out, ("mlp", "embed"), **dense)
+    else:
+      self.w = Dense(dim, out, (None, "embed"), **dense)
+
+  def __call__(self, z: jax.Array) -> jax.Array:
+    z = self.norm(z)
+    if not self.hidden:
+      return self.w(z)
+    u = jax.nn.gelu(self.w1(z).astype(jnp.float32), approximate=True)
+    return self.w2(u.astype(z.dtype))
+
+
+class VisionTower(nnx.Module):
+  """MoonViT-V2 + projector: PackedMedia -> features [N // merge**2, d_model] (module
+  docstring). Built from the model config (`cfg_model.vision`, `d_model`, dtypes)."""
+
+  def __init__(self, cfg_model, *, rngs: nnx.Rngs):
+    v = cfg_model.vision
+    dtype, pdt = jnp.dtype(cfg_model.dtype), jnp.dtype(cfg_model.param_dtype)
+    eps = cfg_model.norm_eps
+    self.width, self.merge, self.temporal_pool = v.width, v.merge, v.temporal_pool
+    self.pos_emb, self.dtype = v.pos_emb, dtype
+    pixels = v.patch_size * v.patch_size * 3
+    self.patch_embed = Dense(pixels, v.width, (None, "embed"), rngs=rngs, dtype=dtype,
+                             param_dtype=pdt)
+    init = layers.normal(0.02)
+    if v.pos_emb == "grid":
+      self.pos_table = layers.param(rngs, init, (v.pos_grid, v.pos_grid, v.width),
+                                    (None, None, "embed"), pdt)
+    else:
+      self.pos_rows = layers.param(rngs, init, (v.pos_grid, v.width), (None, "embed"), pdt)
+      self.pos_cols = layers.param(rngs, init, (v.pos_grid, v.width), (None, "embed"), pdt)
+
+    @nnx.split_rngs(splits=v.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(r):
+      return VisionBlock(v, eps=eps, dtype=dtype, param_dtype=pdt, rngs=r)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(v.width, eps=eps, param_dtype=pdt, rngs=rngs)
+    self.projector = Projector(v.merge * v.merge * v.width, v.projector_hidden,
+                               cfg_model.d_model, eps=eps, dtype=dtype, param_dtype=pdt,
+                               rngs=rngs)
+
+  def positions(self, media: PackedMedia) -> jax.Array:
+    """The position embedding of every patch [N, width] fp32 (padding patches read item 1's
+    grid; nothing reads their outputs)."""
+    grid = jnp.asarray(media.grid_thw)[jnp.maximum(media.segment_ids - 1, 0)]   # [N, 3]
+    frame, row, col = (media.coords[:, i] for i in range(3))
+    if self.pos_emb == "grid":
+      pos = grid_embedding(self.pos_table[...], row, col, grid[:, 1], grid[:, 2])
+    else:
+      pos = (line_embedding(self.pos_rows[...], row, grid[:, 1])
+             + line_embedding(self.pos_cols[...], col, grid[:, 2]))
+    video = (grid[:, 0] > 1)[:, None]
+    return pos.astype(jnp.float32) + jnp.where(video, sincos_embedding(frame, self.width), 0.0)
+
+  def encode(self, media: PackedMedia) -> jax.Array:
+    """Patch features after the tower's final norm: [N, width] (compute dtype)."""
+    x = self.patch_embed(jnp.asarray(media.patches))
+    x = constrain((x.astype(jnp.float32) + self.positions(media)).astype(self.dtype), NE)
+    graphdef, state = nnx.split(self.blocks)
+
+    def body(x, block_state):
+      return nnx.merge(graphdef, block_state)(x, media.segment_ids), None
+
+    x, _ = jax.lax.scan(body, x, state)
+    return self.final_norm(x)
+
+  def merge_pool(self, x: jax.Array, pool_ids: jax.Array) -> jax.Array:
+    """[N, width] in merge order -> [K, merge**2 * width]: each window's patches concatenated
+    (row-major), then the windows of one output token (pool_ids [K]) averaged; K = N //
+    merge**2, rows no window maps to are zero."""
+    k = x.shape[0] // (self.merge * self.merge)
+    z = x.reshape(k, -1).astype(jnp.float32)
+    total = jax.ops.segment_sum(z, pool_ids, num_segments=k)
+    count = jax.ops.segment_sum(jnp.ones((k,), jnp.float32), pool_ids, num_segments=k)
+    return constrain((total / jnp.maximum(count, 1.0)[:, None]).astype(x.dtype), ("batch", None))
+
+  def __call__(self, media: PackedMedia) -> jax.Array:
+    """PackedMedia -> features [N // merge**2, d_model] (compute dtype)."""
+    z = self.merge_pool(self.encode(media), jnp.asarray(media.pool_ids))
+    return constrain(self.projector(z), NE)
+
+
+def insert_features(embeds: jax.Array, tokens: jax.Array, features: jax.Array,
+                    placeholder_id: int) -> jax.Array:
+  """The text embedding [B, T, D] with feature row k written over the k-th placeholder
+  token (`tokens == placeholder_id`, counted row-major over [B, T]); other positions, and
+  placeholders past the K rows of `features` [K, D], keep their embedding."""
+  is_ph = tokens == placeholder_id                                      # [B, T]
+  k = jnp.cumsum(is_ph.reshape(-1)).reshape(is_ph.shape) - 1
+  rows = features[jnp.clip(k, 0, features.shape[0] - 1)].astype(embeds.dtype)  # [B, T, D]
+  return jnp.where((is_ph & (k < features.shape[0]))[..., None], rows, embeds)
+
+
+def param_counts(cfg_model) -> dict[str, int]:
+  """{"tower", "projector"} parameter counts of `cfg_model.vision`, analytically."""
+  v = cfg_model.vision
+  inner = v.num_heads * v.head_dim
+  block = 4 * v.width * inner + 2 * v.width * v.mlp_dim + 2 * v.width
+  pos = v.pos_grid * v.width * (v.pos_grid if v.pos_emb == "grid" else 2)
+  tower = v.num_layers * block + v.patch_size ** 2 * 3 * v.width + pos + v.width
+  merged = v.merge * v.merge * v.width
+  h = v.projector_hidden
+  projector = merged + (merged * h + h * cfg_model.d_model if h else merged * cfg_model.d_model)
+  return {"tower": tower, "projector": projector}
