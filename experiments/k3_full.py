@@ -15,4 +15,7 @@ def get_config(arg: str | None = None):
   c = k3config.base_config()
   c.model.vision.enabled = True
   c.data.worker_count = 8  # per training process: pieces read ahead of packing
+  # TPU: the dropless dispatch per device (plain "dropless" is left unpartitioned by XLA:
+  # every device would run every token's experts); GPU: capacity buffers
+  c.model.moe.dispatch = "auto"
   return c

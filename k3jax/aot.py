@@ -14,7 +14,11 @@ given step time would mean; exits 1 if the step does not fit.
 
 Topology names are libtpu's: "v5p:2x2x1" (4 chips), "v5:8x8x16" with --chip_config=megacore
 and --chips_per_host_bounds=2,2,1 (1,024 v5p chips), "tpu7x:8x8x8" (Ironwood), "v6e:16x16".
-One slice: meshes over several slices joined by DCN are not built yet.
+--num_slices=N compiles for N such slices joined by DCN (multi-slice); the config says which
+mesh axes cross them (`mesh.dcn_<axis>`, multiplying to N), e.g.
+
+  python -m k3jax.aot --config=experiments/k3_tiny.py --topology=v5p:2x2x1 --num_slices=2 \
+      --config.mesh.data=2 --config.mesh.dcn_data=2 --config.mesh.fsdp=4
 """
 
 from __future__ import annotations
@@ -35,15 +39,19 @@ from k3jax.memory import check_state_fits, compile_report, hbm_bytes  # noqa: E4
 _TOPOLOGY = flags.DEFINE_string("topology", None, "libtpu topology name, e.g. v5p:2x2x1.")
 _CHIP_CONFIG = flags.DEFINE_string("chip_config", None, "libtpu chip config (e.g. megacore).")
 _HOST_BOUNDS = flags.DEFINE_list("chips_per_host_bounds", None, "e.g. 2,2,1")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices of --topology joined by DCN.")
 _STEP_TIME = flags.DEFINE_float("step_time", None, "Seconds per step, for the implied MFU.")
 
 
-def topology_devices(name: str, *, chip_config: str | None = None,
+def topology_devices(name: str, *, num_slices: int = 1, chip_config: str | None = None,
                      chips_per_host_bounds: tuple[int, ...] | None = None) -> list:
-  """The devices of a compile-only TPU topology (libtpu); ValueError naming the topology
-  when libtpu is missing or does not know it."""
+  """The devices of a compile-only TPU topology (libtpu), `num_slices` copies of the slice
+  `name` (each device's `slice_index` says which); ValueError naming the topology when
+  libtpu is missing or does not know it."""
   from jax.experimental import topologies  # noqa: PLC0415
-  kw = {}
+  if num_slices < 1:
+    raise ValueError(f"--num_slices: must be >= 1, got {num_slices}")
+  kw = {"num_slices": num_slices} if num_slices > 1 else {}
   if chip_config:
     kw["chip_config_name"] = chip_config
   if chips_per_host_bounds:
@@ -51,8 +59,10 @@ def topology_devices(name: str, *, chip_config: str | None = None,
   try:
     return list(topologies.get_topology_desc(topology_name=name, platform="tpu", **kw).devices)
   except Exception as e:  # noqa: BLE001  (libtpu raises several kinds)
-    raise ValueError(f"--topology={name}: no such TPU topology here ({type(e).__name__}: "
-                     f"{e}); is libtpu installed (pip install -e '.[test]')?") from e
+    slices = f" x {num_slices} slices" if num_slices > 1 else ""
+    raise ValueError(f"--topology={name}{slices}: no such TPU topology here "
+                     f"({type(e).__name__}: {e}); is libtpu installed "
+                     "(pip install -e '.[test]')?") from e
 
 
 def main(argv):
@@ -60,9 +70,14 @@ def main(argv):
   if not _TOPOLOGY.value:
     raise app.UsageError("--topology is required (e.g. --topology=v5p:2x2x1)")
   cfg = k3config.validate(cli.CONFIG.value)
-  devices = topology_devices(_TOPOLOGY.value, chip_config=_CHIP_CONFIG.value,
+  devices = topology_devices(_TOPOLOGY.value, num_slices=_NUM_SLICES.value,
+                             chip_config=_CHIP_CONFIG.value,
                              chips_per_host_bounds=tuple(map(int, _HOST_BOUNDS.value or ())))
   mesh = parallel.make_mesh(cfg.mesh, devices)
+  across = {a: n for a, n in parallel.slices_along(mesh).items() if n > 1}
+  print(f"topology {_TOPOLOGY.value}: {mesh.devices.size} chips"
+        + (f" in {_NUM_SLICES.value} slices, over DCN {across}" if across else "")
+        + f", mesh {dict(mesh.shape)}", flush=True)
   prog = program.build(cfg, mesh)
   print(f"{cfg.model.num_layers} layers, d {cfg.model.d_model}, {prog.num_params:,} parameters;"
         f" batch {cfg.train.global_batch} x {cfg.train.seq_len}; remat {cfg.model.remat}",

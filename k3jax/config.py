@@ -65,8 +65,14 @@ def base_config() -> ml_collections.ConfigDict:
   e.num_shared = 2
   e.shared_dim = 3_072
   e.routed_scaling = 1.0
-  e.dispatch = "dropless"    # "dropless" (ragged_dot), "capacity" (fixed buffers) or
-                             # "expert_parallel" (capacity, all-to-all of z over mesh.expert)
+  e.dispatch = "dropless"    # "dropless" (ragged_dot), "capacity" (fixed buffers),
+                             # "expert_parallel" (capacity, all-to-all of z over mesh.expert),
+                             # "expert_parallel_dropless" (dropless per device, ragged
+                             # all-to-all over mesh.expert; TPU / GPU only)
+                             # or "auto": expert_parallel_dropless on TPU (ragged_dot lowers
+                             # to grouped-matmul kernels), capacity on GPU / CPU (ragged_dot
+                             # is ~60x below the matmul rate on H200); see
+                             # k3jax.model.moe_dispatch.resolve_dispatch
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
   e.balancing = "quantile"   # "quantile" (K3) or "none"
   e.balance_bins = 1_000
@@ -80,7 +86,7 @@ def base_config() -> ml_collections.ConfigDict:
   r.block_layers = 12
 
   v = m.vision = ml_collections.ConfigDict()   # MoonViT-V2 (K3_SPEC 6; k3jax.model.vision)
-  v.enabled = False      # True: K3Model builds the tower (images are not yet in the train step)
+  v.enabled = False      # True: K3Model builds the tower (fed by data.images)
   v.num_layers = 27
   v.width = 1_024
   v.num_heads = 12
@@ -91,8 +97,9 @@ def base_config() -> ml_collections.ConfigDict:
   v.temporal_pool = 2    # video: this many consecutive frames are mean-pooled into one token
   v.pos_emb = "grid"     # learned position table "grid" [G, G, width] or "factorized" [G] + [G]
   v.pos_grid = 64        # G: the table's base grid, interpolated bilinearly to each image
-  v.max_patches = 16_384  # N: patches in one packed buffer (and most of one image)
-  v.max_media = 64       # images / videos in one packed buffer
+  v.max_patches = 16_384  # N: patches in one packed buffer (and most of one image); the data
+                         # pipeline packs one buffer per batch row
+  v.max_media = 64       # images / videos in one packed buffer (one batch row)
   v.projector_hidden = 0  # 0: RMSNorm + Dense merge**2 * width -> d_model; > 0: an MLP this wide
   v.placeholder_id = 163_605  # the text token the image features replace (Kimi's media placeholder)
 
@@ -144,6 +151,13 @@ def base_config() -> ml_collections.ConfigDict:
   p.fsdp = 1
   p.expert = 1
   p.tensor = 1
+  # Multi-slice TPU: how many of each axis's ways run across slices over DCN (the rest, the
+  # ICI part mesh.<axis> / dcn_<axis>, stay within a slice); they multiply to the number of
+  # slices. Usually data parallelism alone crosses DCN: dcn_data = slices.
+  p.dcn_data = 1
+  p.dcn_fsdp = 1
+  p.dcn_expert = 1
+  p.dcn_tensor = 1
 
   from k3jax.data import data_config  # noqa: PLC0415  (the data package owns its defaults)
   c.data = data_config()
@@ -159,7 +173,9 @@ def base_config() -> ml_collections.ConfigDict:
 RESTORE_FIELDS = (
     "seed", "train.seq_len", "data.source", "data.packing", "data.sources",
     "data.heldout_every", "data.tokenizer.kind", "data.tokenizer.bos_token",
-    "data.tokenizer.eos_token",
+    "data.tokenizer.eos_token", "data.images.source", "data.images.weight", "data.images.paths",
+    "data.images.train_examples", "data.images.min_size", "data.images.max_size",
+    "model.vision.max_patches", "model.vision.max_media", "model.vision.placeholder_id",
     "model.vocab_size", "model.d_model", "model.num_layers", "model.mla_every",
     "model.final_mla", "model.dense_layers", "model.scan_layers",
     "model.kda.num_heads", "model.kda.head_dim", "model.kda.conv_size", "model.kda.gate_rank",
@@ -248,6 +264,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "mesh.tensor", f"{p.tensor} does not divide model.vision.num_heads={m.vision.num_heads}")
   _check(p.expert == -1 or e.num_experts % p.expert == 0, "mesh.expert",
          f"{p.expert} does not divide model.moe.num_experts={e.num_experts}")
+  for axis in ("data", "fsdp", "expert", "tensor"):
+    dcn = p[f"dcn_{axis}"]
+    _check(dcn >= 1, f"mesh.dcn_{axis}", f"must be >= 1 (slices along mesh.{axis}), got {dcn}")
+    _check(p[axis] == -1 or p[axis] % dcn == 0, f"mesh.dcn_{axis}",
+           f"{dcn} slices do not divide mesh.{axis}={p[axis]} (its ICI part must be whole)")
   t = c.train
   _check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
   _check(t.global_batch >= 1, "train.global_batch", "must be >= 1")
@@ -283,6 +304,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     check_data(c.data)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  _check(c.data.images.source == "none" or m.vision.enabled, "data.images.source",
+         f"{c.data.images.source!r} needs model.vision.enabled (the tower that reads them)")
   return c
 
 

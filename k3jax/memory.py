@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from k3jax import flops, program
+from k3jax import flops, parallel, program
 
 GIB = 2 ** 30
 # HBM per JAX device (one chip; v5p's two TensorCores form one "megacore" device), matched
@@ -52,6 +52,7 @@ class Report:
   flops_per_chip: float | None
   tokens_per_step: int
   compile_seconds: float
+  slices: dict = dataclasses.field(default_factory=dict)  # mesh axis -> slices it spans (> 1)
 
   @property
   def total_bytes(self) -> int:
@@ -67,7 +68,9 @@ class Report:
   def lines(self, step_time: float | None = None) -> list[str]:
     g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     cap = g(self.capacity_bytes) if self.capacity_bytes else "unknown"
-    out = [f"topology: {self.chips} x {self.device_kind}, mesh {self.mesh}",
+    across = math.prod(self.slices.values())
+    dcn = (f" in {across} slices, over DCN {self.slices}" if across > 1 else "")
+    out = [f"topology: {self.chips} x {self.device_kind}{dcn}, mesh {self.mesh}",
            f"compiled in {self.compile_seconds:.0f} s",
            f"HBM per chip: arguments {g(self.argument_bytes)}, outputs {g(self.output_bytes)}"
            f" (aliased to arguments {g(self.alias_bytes)}), temporaries {g(self.temp_bytes)},"
@@ -126,7 +129,8 @@ def compile_report(prog: program.Program) -> tuple[Report, jax.stages.Compiled]:
       alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
       code_bytes=mem.generated_code_size_in_bytes, capacity_bytes=hbm_bytes(device),
       flops_per_chip=(cost or {}).get("flops"), tokens_per_step=t.global_batch * t.seq_len,
-      compile_seconds=seconds)
+      compile_seconds=seconds,
+      slices={a: n for a, n in parallel.slices_along(prog.mesh).items() if n > 1})
   return report, compiled
 
 

@@ -20,19 +20,23 @@ import json
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax import optim, parallel
 from k3jax.config import ConfigError
-from k3jax.data import FEATURES
+from k3jax.data import MediaSpec, feature_shapes
 from k3jax.model import K3Model, axes
 from k3jax.steps import make_steps
 
-# The batch a train step takes: every pipeline feature, [global_batch, seq_len].
-BATCH_DTYPES = {name: (jnp.float32 if name == "weights" else jnp.int32) for name in FEATURES}
+
+def batch_shapes(cfg) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """{feature: (shape, dtype)} of the global batch a train step takes: what the data
+  pipeline of `cfg` gives (every text feature [global_batch, seq_len]; with data.images
+  also the per-row media)."""
+  return feature_shapes(cfg.data, seq_len=cfg.train.seq_len, batch=cfg.train.global_batch,
+                        media=MediaSpec.from_config(cfg.model.vision))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +71,10 @@ class Program:
     return axes.use_rules(self.mesh, parallel.RULES)
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-    t = self.cfg.train
-    return {name: jax.ShapeDtypeStruct((t.global_batch, t.seq_len), dtype,
-                                       sharding=self.batch_sharding)
-            for name, dtype in BATCH_DTYPES.items()}
+    """Every array's leading axis is the batch row and shards as such (`batch_sharding`
+    names dims 0 and 1; the media's further dims are replicated)."""
+    return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+            for name, (shape, dtype) in batch_shapes(self.cfg).items()}
 
   def lower_train_step(self) -> jax.stages.Lowered:
     """The train step lowered on the abstract state and batch (nothing is allocated)."""
@@ -139,6 +143,8 @@ def build_once(cfg, mesh: Mesh) -> Program:
     *parents, leaf = dotted.split(".")
     section = functools.reduce(lambda d, k: d.get(k, {}), parents, fields)
     section.pop(leaf, None)
+  # data.images changes the batch's arrays (abstract_batch), so it is part of the program.
+  fields["data.images"] = cfg.data.images.to_dict()
   key = (json.dumps(fields, sort_keys=True, default=repr), mesh)
   if key not in _BUILT:
     _BUILT[key] = build(cfg, mesh)

@@ -3,7 +3,10 @@
 Pure functions over (params, rest, opt_state, batch), jitted by the caller (`k3jax.train`,
 the benchmarks). `params` is the model's `nnx.Param` state and `rest` its other state (the
 Quantile-Balancing biases), both pure (`nnx.as_pure`: arrays, no Variables); a batch holds
-"inputs", "targets", "segment_ids" [B, T] int32 and "weights" [B, T] float32.
+"inputs", "targets", "segment_ids" [B, T] int32 and "weights" [B, T] float32, and, from a
+pipeline with images (`k3jax.data.pipeline`), the per-row PackedMedia as "media_patches",
+"media_segment_ids", ... (leading axis B): then the forward embeds them over the
+placeholder tokens (`K3Model.embed_with_images`); "weights" already hold 0 there.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import optax
 from flax import nnx
 
 from k3jax.model import K3Model
+from k3jax.model.vision_pos import PackedMedia
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
@@ -27,6 +31,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
   if denominator is None:
     denominator = _token_count(weights)
   return jnp.sum((logz - picked) * weights) / denominator
+
+
+def batch_media(batch: dict) -> PackedMedia | None:
+  """The batch's per-row media (leading axis B), or None for a text-only batch."""
+  if "media_patches" not in batch:
+    return None
+  return PackedMedia(*(batch["media_" + f] for f in PackedMedia._fields))
 
 
 def _token_count(weights: jax.Array) -> jax.Array:
@@ -59,7 +70,12 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   biases come back as they went in, and out["skipped"] is 1 (0 otherwise).
   """
   def loss_fn(params, rest, batch, denominator=None):
-    logits, aux = nnx.merge(graphdef, params, rest)(batch["inputs"], batch["segment_ids"])
+    model = nnx.merge(graphdef, params, rest)
+    media = batch_media(batch)
+    if media is None:
+      logits, aux = model(batch["inputs"], batch["segment_ids"])
+    else:
+      logits, aux = model(batch["inputs"], batch["segment_ids"], media)
     return cross_entropy(logits, batch["targets"], batch["weights"], denominator), aux
 
   def loss_and_grads(params, rest, batch):

@@ -187,7 +187,8 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
     memory.check_fits(report)
   ds = k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
                            seed=cfg.seed, process_index=jax.process_index(),
-                           process_count=jax.process_count())
+                           process_count=jax.process_count(),
+                           media=k3data.MediaSpec.from_config(cfg.model.vision))
   data_iter = iter(ds)
 
   config_json = cfg.to_json()
@@ -213,6 +214,10 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   say(f"data: {cfg.data.source} corpus, {tokenizer.describe()}, seq {t.seq_len}, global batch {t.global_batch} "
       f"({tokens_per_step:,} tokens/step), {local_batch} rows on this process"
       + (f", {t.microbatches} microbatches" if t.microbatches > 1 else ""))
+  if cfg.data.images.source != "none":
+    v = cfg.model.vision
+    say(f"data: {cfg.data.images.source} image-text examples, weight {cfg.data.images.weight}; "
+        f"per row one packed buffer of {v.max_patches} patches / {v.max_media} images")
   say(f"train: steps {step} -> {t.steps}, log every {t.log_every}, eval every {t.eval_every}, "
       f"checkpoint every {t.checkpoint_every}, workdir {workdir}")
 
@@ -283,7 +288,8 @@ def evaluate(cfg, eval_step, params, rest, sharding) -> float:
   t = cfg.train
   ds = k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
                            seed=cfg.seed, process_index=jax.process_index(),
-                           process_count=jax.process_count(), split="validation")
+                           process_count=jax.process_count(), split="validation",
+                           media=k3data.MediaSpec.from_config(cfg.model.vision))
   it = iter(ds)
   losses = [float(eval_step(params, rest, put_batch(next(it), sharding)))
             for _ in range(t.eval_batches)]

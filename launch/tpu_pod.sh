@@ -17,9 +17,11 @@
 # one directory that every worker sees (a GCS bucket mounted with gcsfuse at the same path,
 # or Filestore): every worker writes its shards of each checkpoint there. Rerunning the
 # command resumes from the newest checkpoint (add --skip_setup to reuse the copied tree).
+# One slice; several slices over DCN (multi-slice): launch/gke_jobset.yaml with replicas = N
+# and --config.mesh.dcn_data=N (check first: python -m k3jax.aot ... --num_slices=N).
 set -euo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 tpu= zone= project= create= runtime= spot= skip_setup=
 while [[ $# -gt 0 ]]; do

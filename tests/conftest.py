@@ -49,6 +49,16 @@ def micro_config():
   return c
 
 
+def set_field(cfg, dotted: str, value):
+  """cfg.a.b.c = value for dotted = "a.b.c" (the field a config-error test breaks)."""
+  *parents, leaf = dotted.split(".")
+  node = cfg
+  for name in parents:
+    node = getattr(node, name)
+  setattr(node, leaf, value)
+  return cfg
+
+
 def random_model(cfg_model, seed: int = 0, model_cls=None):
   """A model whose every variable is random (numpy; no XLA init compile): gains near 1,
   matrices ~ 1/sqrt(fan-in), AttnRes queries and balancing biases non-zero so that
@@ -67,3 +77,26 @@ def random_model(cfg_model, seed: int = 0, model_cls=None):
     return jnp.asarray(rng.standard_normal(x.shape) / np.sqrt(x.shape[-2]), x.dtype)
 
   return nnx.merge(graphdef, jax.tree.map(fill, state))
+
+
+def ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name, axis_index_groups=None):
+  """`jax.lax.ragged_all_to_all` as its docstring defines it, from all-gathers (XLA:CPU has
+  no ragged all-to-all): every peer's slices for this device, written where the sender's
+  output_offsets say. Tests monkeypatch it in to check a dispatch's offsets and sizes."""
+  assert axis_index_groups is None
+  peers = jax.lax.axis_size(axis_name)
+  me = jax.lax.axis_index(axis_name)
+  per_peer = input_offsets.shape[0] // peers
+  ops, starts, sizes, dests = (jax.lax.all_gather(a, axis_name) for a in (
+      operand, input_offsets, send_sizes, output_offsets))
+  pos = jnp.arange(output.shape[0])
+  del recv_sizes  # implied by the senders' send_sizes
+  for src in range(peers):
+    for j in range(per_peer):
+      i = me * per_peer + j
+      start, size, dest = starts[src, i], sizes[src, i], dests[src, i]
+      rows = jnp.take(ops[src], jnp.clip(pos - dest + start, 0, operand.shape[0] - 1), axis=0)
+      inside = ((pos >= dest) & (pos < dest + size)).reshape((-1,) + (1,) * (output.ndim - 1))
+      output = jnp.where(inside, rows, output)
+  return output

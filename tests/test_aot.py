@@ -1,31 +1,26 @@
 """`k3jax.aot`: the train step compiled for a TPU slice on this CPU (libtpu), and the
-refusal of a configuration that cannot fit, before any compile."""
+refusal of a configuration that cannot fit, before any compile; the dropless MoE dispatch
+compiled to TPU grouped-matmul kernels. Multi-slice compiles: tests/test_multislice.py."""
 
 import os
+import re
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
-from tpu_aot import tpu_mesh
+from flax import nnx
+from jax.sharding import NamedSharding
+from tpu_aot import tiny_kernel_config, tpu_mesh
 
 from conftest import micro_config
-from k3jax import aot, memory, program
+from k3jax import aot, memory, parallel, program
 from k3jax import config as k3config
+from k3jax.model import axes
+from k3jax.model.latent_moe import LatentMoE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_kernel_config():
-  """micro_config cut to one hybrid cycle + the final MLA, with the KDA Pallas kernels and
-  the Newton-Schulz kernel ("auto" picks Mosaic on TPU), bf16 compute."""
-  cfg = micro_config()
-  with cfg.unlocked():
-    cfg.model.num_layers = 5
-    cfg.model.dtype = "bfloat16"
-    cfg.model.kda.backend = "kernel"
-    cfg.mesh.data, cfg.mesh.fsdp = 2, 2
-  return k3config.validate(cfg)
 
 
 @pytest.mark.slow
@@ -92,3 +87,68 @@ def test_train_refuses_a_state_that_cannot_fit_before_making_anything(tmp_path, 
   with pytest.raises(MemoryError, match=r"the train state alone needs .* GiB per chip"):
     k3train.train(cfg, str(tmp_path))
   assert not os.listdir(tmp_path / "checkpoints")
+
+
+def _latent_moe_grad_lowered(dispatch, mesh):
+  """LatentMoE (micro sizes, bf16) forward + backward lowered on abstract arrays under
+  `mesh`'s rules: d/d(params, x) of sum(y^2), x [8, 32, d] split over the batch axes."""
+  cfg = micro_config()
+  cfg.model.moe.dispatch, cfg.model.dtype = dispatch, "bfloat16"
+  m = k3config.validate(cfg).model
+  graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: LatentMoE(m, rngs=nnx.Rngs(0))),
+                                     nnx.Param, ...)
+
+  def loss(params, rest, x):
+    y, _ = nnx.merge(graphdef, params, rest)(x)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  def spec(state):
+    return jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh),
+                        nnx.as_pure(state), parallel.shardings(mesh, state))
+  x = jax.ShapeDtypeStruct((8, 32, m.d_model), jnp.float32,
+                           sharding=NamedSharding(mesh, parallel.batch_spec()))
+  with axes.use_rules(mesh, parallel.RULES):
+    return jax.jit(jax.grad(loss, (0, 2))).lower(spec(params), spec(rest), x)
+
+
+def test_dropless_moe_runs_its_experts_as_tpu_ragged_dot_kernels():
+  """The dropless dispatch on a v5p mesh: its grouped matmuls lower to `chlo.ragged_dot`,
+  which XLA:TPU compiles to `ragged-dot-*` TPU custom calls (grouped-matmul kernels): the
+  three expert matmuls forward and their input gradients, at least. (At these sizes XLA
+  computes the weight gradients as masked convolutions.)"""
+  mesh = tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1))
+  lowered = _latent_moe_grad_lowered("dropless", mesh)
+  assert "chlo.ragged_dot" in lowered.as_text()
+  hlo = lowered.compile().as_text()
+  kernels = re.findall(r"%(ragged-dot-\S+) = .*custom_call_target=\"(\w+)\"", hlo)
+  matmuls = [name for name, target in kernels if not name.startswith("ragged-dot-metadata")]
+  assert len(matmuls) >= 6, kernels
+  assert {target for _, target in kernels} == {"tpu_custom_call"}
+
+
+def test_auto_dispatch_follows_the_mesh_platform():
+  """moe.dispatch="auto" lowers to the very program of "expert_parallel_dropless" on a v5p
+  mesh (compiled for TPU from this CPU host) and to that of "capacity" on a CPU mesh."""
+  cfg = micro_config()
+  cfg.mesh.data = 4
+  for mesh, want, other in [(tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1)),
+                             "expert_parallel_dropless", "capacity"),
+                            (parallel.make_mesh(cfg.mesh, jax.devices()[:4]), "capacity",
+                             "dropless")]:
+    text = {d: _latent_moe_grad_lowered(d, mesh).as_text() for d in ("auto", want, other)}
+    assert text["auto"] == text[want] != text[other]
+
+
+@pytest.mark.parametrize("shape,exchanges,rows", [((4, 1, 1, 1), 0, 128), ((1, 1, 4, 1), 4, 512)],
+                         ids=["data4", "expert4"])
+def test_expert_parallel_dropless_compiles_for_tpu(shape, exchanges, rows):
+  """moe.dispatch="expert_parallel_dropless" on v5p: each device sorts its own 2 x 32 x 2
+  = 128 (token, slot) pairs; over expert=4 the rows cross by ragged all-to-all (forward
+  and back, and both again in the backward) into a worst-case buffer of 4 x 128 rows that
+  the local experts' grouped-matmul kernels run on; over data=4 there is no exchange."""
+  mesh = tpu_mesh(parallel.MESH_AXES, shape)
+  hlo = _latent_moe_grad_lowered("expert_parallel_dropless", mesh).compile().as_text()
+  assert len(re.findall(r"= \S+ ragged-all-to-all\(", hlo)) == exchanges
+  kernels = re.findall(r"%ragged-dot-none\S* = \w+\[(\d+),\d+\].*custom_call_target=\""
+                       r"tpu_custom_call\"", hlo)
+  assert len(kernels) >= 6 and {int(r) for r in kernels} == {rows}, kernels

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from conftest import set_field
 from k3jax import config as k3config
 from k3jax import params as k3params
 
@@ -42,11 +43,7 @@ def test_experiments_validate(name):
 ])
 def test_impossible_settings_name_the_field(field, value, match):
   c = load("k3_full")
-  *parents, leaf = field.split(".")
-  node = c
-  for p in parents:
-    node = getattr(node, p)
-  setattr(node, leaf, value)
+  set_field(c, field, value)
   with pytest.raises(k3config.ConfigError, match=match):
     k3config.validate(c)
 

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conftest import micro_config, random_model
+from conftest import micro_config, ragged_all_to_all_by_gather, random_model
 from k3jax import parallel
 from k3jax.config import ConfigError, validate
 from k3jax.model import axes
@@ -62,6 +62,15 @@ def _problem():
   return cfg, params, rest, data, want
 
 
+def _placed(mesh, params, rest, data):
+  """The step's arguments (params, rest, x, valid, cot) put where the mesh rules say."""
+  p, r, x, valid, cot = data
+  rows = NamedSharding(mesh, parallel.batch_spec())
+  return (jax.device_put(p, parallel.shardings(mesh, params)),
+          jax.device_put(r, parallel.shardings(mesh, rest)),
+          jax.device_put(x, rows), jax.device_put(valid, rows), jax.device_put(cot, rows))
+
+
 @pytest.fixture(scope="module", params=MESHES, ids=MESH_IDS)
 def sharded(request):
   """The same step with dispatch "expert_parallel" under the mesh: (results, compiled HLO)."""
@@ -69,10 +78,7 @@ def sharded(request):
   cfg = _cfg("expert_parallel", **request.param)
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: LatentMoE(cfg.model, rngs=nnx.Rngs(0))))
   mesh = parallel.make_mesh(cfg.mesh)
-  rows = NamedSharding(mesh, parallel.batch_spec())
-  args = (jax.device_put(p, parallel.shardings(mesh, params)),
-          jax.device_put(r, parallel.shardings(mesh, rest)),
-          jax.device_put(x, rows), jax.device_put(valid, rows), jax.device_put(cot, rows))
+  args = _placed(mesh, params, rest, (p, r, x, valid, cot))
   with axes.use_rules(mesh, parallel.RULES):
     compiled = jax.jit(functools.partial(_step, graphdef)).lower(*args).compile()
   return request.param, jax.device_get(compiled(*args)), compiled.as_text()
@@ -171,3 +177,31 @@ def test_experts_that_do_not_split_over_the_expert_axis_are_refused():
       ValueError, match=r"mesh axis 'expert' \(4 devices\) does not divide "
                         r"model.moe.num_experts=6"):
     jax.eval_shape(lambda x: layer(x)[0], x)
+
+
+@pytest.mark.parametrize("sizes", [dict(data=4, fsdp=2), dict(expert=2, fsdp=2, tensor=2)],
+                         ids=["data4-fsdp2", "expert2-fsdp2-tensor2"])
+def test_per_device_dropless_equals_unsharded_dropless(sizes, monkeypatch):
+  """moe.dispatch = "expert_parallel_dropless": each device sorts its own pairs; over
+  expert=2 the rows travel to their experts' owners by ragged all-to-all (on CPU the op as
+  its docstring defines it, `conftest.ragged_all_to_all_by_gather`, so what is checked is
+  the dispatch's offsets, sizes and regrouping). Output, aux and every gradient equal the
+  unsharded dropless layer's; nothing is dropped."""
+  monkeypatch.setattr(jax.lax, "ragged_all_to_all", ragged_all_to_all_by_gather)
+  cfg, params, rest, (p, r, x, valid, cot), _ = _problem()
+  plain = _cfg("dropless")
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: LatentMoE(plain.model, rngs=nnx.Rngs(0))))
+  y1, aux1, g_params1, g_x1 = jax.device_get(
+      jax.jit(functools.partial(_step, graphdef))(p, r, x, valid, cot))
+  cfg = _cfg("expert_parallel_dropless", **sizes)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: LatentMoE(cfg.model, rngs=nnx.Rngs(0))))
+  mesh = parallel.make_mesh(cfg.mesh)
+  args = _placed(mesh, params, rest, (p, r, x, valid, cot))
+  with axes.use_rules(mesh, parallel.RULES):
+    y, aux, g_params, g_x = jax.device_get(jax.jit(functools.partial(_step, graphdef))(*args))
+  assert int(aux["dropped"]) == 0 and _rel(y, y1) < 1e-5 and _rel(g_x, g_x1) < 1e-5
+  for key in ("counts", "load"):
+    np.testing.assert_array_equal(aux[key], aux1[key], err_msg=key)
+  flat = dict(nnx.to_flat_state(g_params))
+  for path, g1 in nnx.to_flat_state(g_params1):
+    assert _rel(flat[path], g1) < 1e-5, path

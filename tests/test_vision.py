@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import micro_config, random_model
+from conftest import micro_config, random_model, set_field
 from flax import nnx
 
 from k3jax import config as k3config
@@ -258,11 +258,7 @@ def test_model_builds_the_tower_and_embeds_images():
 def test_vision_config_errors_name_the_field(field, value, match):
   c = k3config.base_config()
   c.model.vision.enabled = True
-  *parents, leaf = field.split(".")
-  node = c
-  for p in parents:
-    node = getattr(node, p)
-  setattr(node, leaf, value)
+  set_field(c, field, value)
   with pytest.raises(k3config.ConfigError, match=match):
     k3config.validate(c)
 

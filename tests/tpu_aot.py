@@ -24,19 +24,40 @@ TOPOLOGY = "v5p:2x2x1"  # 4 chips of 2 TensorCores each (megacore)
 
 
 @functools.cache
-def tpu_topology(name=TOPOLOGY):
-  """libtpu's compile-only description of a TPU slice (its .devices are TpuDevices)."""
+def tpu_topology(name=TOPOLOGY, num_slices=1):
+  """libtpu's compile-only description of `num_slices` TPU slices joined by DCN (its
+  .devices are TpuDevices; `slice_index` says which slice)."""
   from jax.experimental import topologies  # noqa: PLC0415
-  return topologies.get_topology_desc(topology_name=name, platform="tpu")
+  kw = {"num_slices": num_slices} if num_slices > 1 else {}
+  return topologies.get_topology_desc(topology_name=name, platform="tpu", **kw)
+
+
+def tpu_devices(name=TOPOLOGY, num_slices=1):
+  """The topology's devices; skips the calling test where libtpu is missing."""
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu is not installed (pip install -e '.[test]')")
+  return list(tpu_topology(name, num_slices).devices)
 
 
 def tpu_mesh(axis_names, shape=None, name=TOPOLOGY):
   """A jax.sharding.Mesh over the topology's devices; shape defaults to all devices on
   one axis. Skips the calling test where libtpu is missing."""
-  if importlib.util.find_spec("libtpu") is None:
-    pytest.skip("libtpu is not installed (pip install -e '.[test]')")
   import jax  # noqa: PLC0415
-  devices = tpu_topology(name).devices
+  devices = tpu_devices(name)
   shape = shape or (len(devices),) + (1,) * (len(axis_names) - 1)
   return jax.sharding.Mesh(np.asarray(devices).reshape(shape), axis_names)
+
+
+def tiny_kernel_config():
+  """micro_config cut to one hybrid cycle + the final MLA, with the KDA Pallas kernels and
+  the Newton-Schulz kernel ("auto" picks Mosaic on TPU), bf16 compute; mesh data 2 x fsdp 2."""
+  from conftest import micro_config  # noqa: PLC0415
+  from k3jax import config as k3config  # noqa: PLC0415
+  cfg = micro_config()
+  with cfg.unlocked():
+    cfg.model.num_layers = 5
+    cfg.model.dtype = "bfloat16"
+    cfg.model.kda.backend = "kernel"
+    cfg.mesh.data, cfg.mesh.fsdp = 2, 2
+  return k3config.validate(cfg)
 

@@ -1,13 +1,16 @@
 """Input data: tokenizers, document sources, prepared shards and the grain pipeline."""
 
 from k3jax.data.corpus import SPLITS, default_documents, unigram_entropy
+from k3jax.data.images import IMAGE_SOURCES, MediaSpec
 from k3jax.data.pipeline import (
     FEATURES,
+    MEDIA_FEATURES,
     PACKINGS,
     SOURCES,
     check_config,
     data_config,
     document_pieces,
+    feature_shapes,
     make_dataset,
     piece_dataset,
     source_pieces,
@@ -27,12 +30,15 @@ from k3jax.data.tokenizer import (
 __all__ = [
     "FEATURES",
     "FORMATS",
+    "IMAGE_SOURCES",
+    "MEDIA_FEATURES",
     "PACKINGS",
     "SOURCES",
     "SPLITS",
     "TOKENIZERS",
     "ByteTokenizer",
     "HuggingFaceTokenizer",
+    "MediaSpec",
     "SentencePieceTokenizer",
     "TiktokenTokenizer",
     "Tokenizer",
@@ -41,6 +47,7 @@ __all__ = [
     "data_config",
     "default_documents",
     "document_pieces",
+    "feature_shapes",
     "make_dataset",
     "make_tokenizer",
     "piece_dataset",

@@ -35,6 +35,24 @@ worker count; reading before packing in the workers keeps every batch and every 
 state the same under any worker count (0 included), so a checkpoint written with one count
 resumes under another.
 
+Image-text examples (`data.images`, k3jax/data/images.py; `make_dataset(..., media=)`)
+are one more source, mixed with the text by `data.images.weight` (`data.source="none"`:
+images only). Each element then also carries "patches" [n, P*P*3] (patchified here, in
+the reading stage: worker processes when there are any) and "grid" [1, 3] ((t, h, w);
+text pieces carry n = 0 and no grid row). First-fit packing fills every row within three
+budgets at once: seq_len tokens, model.vision.max_patches patches, model.vision.max_media
+items, and never cuts an image-text example. Each row then holds one PackedMedia of its
+own items, in row order (`vision_pos.pack`), so that its placeholders are its image
+tokens in order; the batch gains, per row:
+  media_patches      float32 [B, N, P*P*3]    N = max_patches, M = max_media, K = N / m**2
+  media_segment_ids  int32   [B, N]
+  media_coords       int32   [B, N, 3]
+  media_grid_thw     int32   [B, M, 3]
+  media_pool_ids     int32   [B, K]
+and `weights` is 0 where the target is a placeholder (the loss is on the text). Every
+array's leading axis is the batch row, so media shard, split into microbatches and into
+processes exactly as the rows do.
+
 Text files are read and tokenized when the pipeline is built (once per process; kept for
 later calls, e.g. the validation split); prepared ArrayRecord shards are read lazily, piece
 by piece, which is what corpora larger than memory need.
@@ -54,18 +72,24 @@ import numpy as np
 from absl import flags
 
 from k3jax.data import sources as sources_lib
+from k3jax.data import images as images_lib
 from k3jax.data.corpus import default_documents
+from k3jax.data.images import MediaSpec
+from k3jax.model import vision_pos
 from k3jax.data.pieces import DocumentPieces, Subset, TokenDocuments
 from k3jax.data.shards import TokenShards
 from k3jax.data.tokenizer import Tokenizer, check_tokenizer_config, make_tokenizer, tokenizer_config
 
 # "default": the embedded corpus (k3jax/data/corpus.py); "files": config.data.sources.
-SOURCES = ("default", "files")
+SOURCES = ("default", "files", "none")   # "none": no text (data.images must be on)
 # "first_fit": whole pieces, first-fit into local_batch rows, the rest padded.
 # "concat_then_split": pieces laid end to end, cut every seq_len; no padding, but a
 #   piece cut at a row end continues in the next row as a new segment (positions from 0).
 PACKINGS = ("first_fit", "concat_then_split")
 FEATURES = ("inputs", "targets", "segment_ids", "positions", "weights")
+# With data.images: the PackedMedia of each row (module docstring), as "media_" + field.
+MEDIA_FEATURES = ("media_patches", "media_segment_ids", "media_coords", "media_grid_thw",
+                  "media_pool_ids")
 # data.worker_count > 0: consecutive pieces sent from a worker process in one transfer.
 _PIECES_PER_CHUNK = 32
 
@@ -95,6 +119,7 @@ def data_config() -> ml_collections.ConfigDict:
   # of pieces ready. The validation split (a few batches per evaluation) stays in-process.
   c.worker_count = 0
   c.worker_buffer_size = 2
+  c.images = images_lib.images_config()   # image-text examples (k3jax/data/images.py)
   return c
 
 
@@ -112,6 +137,12 @@ def check_config(cfg: ml_collections.ConfigDict) -> None:
     value = cfg.get(field)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
       raise ValueError(f"config.data.{field} must be an integer >= {low}, got {value!r}")
+  images_lib.check_images_config(cfg.images)
+  if cfg.source == "none" and cfg.images.source == "none":
+    raise ValueError("config.data.source: 'none' (no text) needs config.data.images.source")
+  if cfg.images.source != "none" and cfg.packing != "first_fit":
+    raise ValueError(f"config.data.packing: image-text examples need 'first_fit' (an example "
+                     f"is never cut), got {cfg.packing!r}")
   if cfg.source == "files" and not cfg.sources:
     raise ValueError("config.data.sources: source='files' needs at least one entry "
                      "(dict(paths=..., format=...))")
@@ -168,6 +199,8 @@ def source_pieces(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer, *, seq_l
   check_config(cfg)
   make = functools.partial(DocumentPieces, bos=tokenizer.bos_id, eos=tokenizer.eos_id,
                            seq_len=seq_len)
+  if cfg.source == "none":
+    return []
   if cfg.source == "default":
     docs = TokenDocuments([tokenizer.encode(d) for d in default_documents(split)])
     return [(make(docs), 1.0)]
@@ -204,6 +237,10 @@ def _source_seed(seed: int, index: int) -> int:
   return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
+def _as_map(source) -> grain.MapDataset:
+  return source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
+
+
 def piece_dataset(
     cfg: ml_collections.ConfigDict,
     *,
@@ -211,24 +248,37 @@ def piece_dataset(
     seed: int,
     split: str = "train",
     num_epochs: int | None = None,
+    media: MediaSpec | None = None,
 ) -> grain.MapDataset:
   """The shuffled, repeated stream of pieces, before packing (the same on every process).
 
   One source (or a finite `num_epochs`, or the validation split): all pieces, shuffled with
   `seed`; piece i of epoch e sits at index e * num_pieces + i. Several sources, training
   without end: each source's pieces shuffled (a seed per source) and repeated, then
-  interleaved so that source j gives weight_j / sum(weights) of the pieces.
+  interleaved so that source j gives weight_j / sum(weights) of the pieces. With
+  `data.images` the image-text examples are the last source (weight data.images.weight)
+  and every text piece gains empty media features (`images.no_media`).
   """
   if seq_len < 2:
     raise ValueError(f"seq_len must be >= 2, got {seq_len}")
   check_config(cfg)
   tokenizer = make_tokenizer(cfg.tokenizer)
   parts = source_pieces(cfg, tokenizer, seq_len=seq_len, split=split)
+  if cfg.images.source != "none":
+    if media is None:
+      raise ValueError("config.data.images is on: make_dataset needs media= "
+                       "(MediaSpec.from_config(config.model.vision))")
+    add_media = functools.partial(images_lib.no_media, patch_dim=media.patch_dim)
+    parts = [(grain.MapDataset.source(p).map(add_media), w) for p, w in parts]
+    examples = images_lib.ImageTextExamples(cfg.images, media, tokenizer, seq_len=seq_len,
+                                            seed=seed, split=split,
+                                            heldout_every=cfg.heldout_every)
+    parts.append((examples, float(cfg.images.weight)))
   if len(parts) == 1 or num_epochs is not None or split != "train":
-    ds = [grain.MapDataset.source(p) for p, _ in parts]
+    ds = [_as_map(p) for p, _ in parts]
     ds = ds[0] if len(ds) == 1 else grain.MapDataset.concatenate(ds)
     return ds.shuffle(seed=seed).repeat(num_epochs)
-  mixed = [grain.MapDataset.source(p).shuffle(seed=_source_seed(seed, i)).repeat(None)
+  mixed = [_as_map(p).shuffle(seed=_source_seed(seed, i)).repeat(None)
            for i, (p, _) in enumerate(parts)]
   return grain.MapDataset.mix(mixed, [w for _, w in parts])
 
@@ -260,10 +310,22 @@ class _RestoreSliceTuplesIterator(grain.DatasetIterator):
 
 
 def _concat_pieces(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-  """A chunk of pieces as three arrays (few shared-memory blocks per transfer)."""
-  return {"inputs": np.concatenate([p["inputs"] for p in pieces]),
-          "targets": np.concatenate([p["targets"] for p in pieces]),
-          "lengths": np.array([len(p["inputs"]) for p in pieces], np.int64)}
+  """A chunk of pieces as two arrays per feature, the pieces' values concatenated and
+  their lengths (few shared-memory blocks per transfer)."""
+  out = {}
+  for k in pieces[0]:
+    out[k] = np.concatenate([p[k] for p in pieces])
+    out[k + "@lengths"] = np.array([len(p[k]) for p in pieces], np.int64)
+  return out
+
+
+def _split_pieces(chunk: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+  """`_concat_pieces` undone; copies out of grain's shared memory, which is freed as soon
+  as the chunk goes."""
+  keys = [k for k in chunk if not k.endswith("@lengths")]
+  parts = {k: np.split(np.array(chunk[k]), np.cumsum(chunk[k + "@lengths"])[:-1])
+           for k in keys}
+  return [dict(zip(keys, values)) for values in zip(*(parts[k] for k in keys))]
 
 
 def _exit_with_parent(worker_index: int, worker_count: int) -> None:
@@ -325,12 +387,8 @@ class _WorkerPiecesIterator(grain.DatasetIterator):
       if self._chunks is None:
         self._start()
       chunk = next(self._chunks)
-      # Copies out of grain's shared memory, which is freed as soon as the chunk goes.
-      inputs, targets = np.array(chunk["inputs"]), np.array(chunk["targets"])
-      ends = np.cumsum(chunk["lengths"])[:-1]
+      self._ready = _split_pieces(chunk)
       del chunk
-      self._ready = [{"inputs": x, "targets": y} for x, y in
-                     zip(np.split(inputs, ends), np.split(targets, ends))]
       self._ready.reverse()
     self._next_index += 1
     return self._ready.pop()
@@ -364,10 +422,61 @@ def _row(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   }
 
 
-def _stack_rows(rows: Sequence[dict[str, np.ndarray]], batch: int) -> dict[str, np.ndarray]:
-  """Stack rows into [batch, seq_len]; a short last batch gets all-padding rows."""
+def feature_shapes(cfg: ml_collections.ConfigDict, *, seq_len: int, batch: int,
+                   media: MediaSpec | None = None) -> dict[str, tuple[tuple[int, ...], type]]:
+  """{feature: (shape, numpy dtype)} of a `batch`-row element of `make_dataset`."""
+  out = {k: ((batch, seq_len), np.float32 if k == "weights" else np.int32) for k in FEATURES}
+  if cfg.images.source != "none" and media is not None:
+    n, m = media.max_patches, media.max_media
+    out.update(media_patches=((batch, n, media.patch_dim), np.float32),
+               media_segment_ids=((batch, n), np.int32),
+               media_coords=((batch, n, 3), np.int32),
+               media_grid_thw=((batch, m, 3), np.int32),
+               media_pool_ids=((batch, n // media.merge ** 2), np.int32))
+  return out
+
+
+def _media_row(packed: dict[str, np.ndarray], media: MediaSpec) -> dict[str, np.ndarray]:
+  """A packed row with media: the text features (weight 0 on placeholder targets) and the
+  PackedMedia of the row's items, in row order."""
+  row = _row(packed)
+  row["weights"] *= (row["targets"] != media.placeholder_id)
+  grids = packed["grid"][packed["grid_segment_ids"] > 0]
+  items, start = [], 0
+  for t, h, w in grids:
+    n = int(t * h * w)
+    items.append((packed["patches"][start:start + n], (int(t), int(h), int(w))))
+    start += n
+  packed_media, tokens = _pack(items, media)
+  placeholders = int(np.sum(row["inputs"] == media.placeholder_id))
+  if placeholders != sum(tokens):
+    raise ValueError(f"a packed row holds {placeholders} placeholder tokens (id "
+                     f"{media.placeholder_id}) for {sum(tokens)} image tokens: does the text "
+                     f"itself contain the placeholder id?")
+  row.update({"media_" + k: v for k, v in packed_media._asdict().items()})
+  return row
+
+
+def _pack(items, media: MediaSpec):
+  packed, tokens = vision_pos.pack(items, max_patches=media.max_patches,
+                                   max_media=media.max_media, merge=media.merge,
+                                   temporal_pool=media.temporal_pool)
+  if not items:   # a row of text only: pack cannot know the patch width
+    packed = packed._replace(patches=np.zeros((media.max_patches, media.patch_dim), np.float32))
+  return packed, tokens
+
+
+def _stack_rows(rows: Sequence[dict[str, np.ndarray]], batch: int,
+                media: MediaSpec | None = None) -> dict[str, np.ndarray]:
+  """Stack rows into [batch, ...]; a short last batch gets all-padding rows (no media)."""
+  if len(rows) < batch and media is not None:
+    empty = {"media_" + k: v for k, v in _pack([], media)[0]._asdict().items()}
+    rows = list(rows) + [{**{k: np.zeros_like(rows[0][k]) for k in FEATURES}, **empty}
+                         for _ in range(batch - len(rows))]
   pad = batch - len(rows)
-  return {k: np.pad(np.stack([r[k] for r in rows]), ((0, pad), (0, 0))) for k in FEATURES}
+  names = FEATURES + (MEDIA_FEATURES if media is not None else ())
+  stacked = {k: np.stack([r[k] for r in rows]) for k in names}
+  return {k: np.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1)) for k, v in stacked.items()}
 
 
 def make_dataset(
@@ -380,9 +489,12 @@ def make_dataset(
     process_count: int = 1,
     split: str = "train",
     num_epochs: int | None = None,
+    media: MediaSpec | None = None,
 ) -> grain.IterDataset:
   """This process' `global_batch // process_count` rows of each global batch.
 
+  `media` (from `model.vision`) is needed when `cfg.images` is on, and adds the media
+  features (module docstring); it is ignored otherwise.
   `num_epochs=None` repeats forever (training); an integer gives a finite
   stream (e.g. 1 for one pass over the validation split) whose last batch is
   filled up with all-padding rows. `cfg.worker_count` > 0 (training split): pieces are read
@@ -395,12 +507,17 @@ def make_dataset(
         f"global_batch={global_batch} must be a positive multiple of "
         f"process_count={process_count}")
   local_batch = global_batch // process_count
-  ds = piece_dataset(cfg, seq_len=seq_len, seed=seed, split=split, num_epochs=num_epochs)
+  if cfg.images.source == "none":
+    media = None
+  ds = piece_dataset(cfg, seq_len=seq_len, seed=seed, split=split, num_epochs=num_epochs,
+                     media=media)
   if cfg.worker_count and split == "train":
     ds = _WorkerPieces(ds, cfg.worker_count, cfg.worker_buffer_size)
   else:
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   lengths = {"inputs": seq_len, "targets": seq_len}
+  if media is not None:
+    lengths.update(patches=media.max_patches, grid=media.max_media)
   if cfg.packing == "first_fit":
     # global_batch bins: every piece fits an empty bin, so each flush is one full batch.
     ds = grain.experimental.FirstFitPackIterDataset(
@@ -408,7 +525,8 @@ def make_dataset(
   else:
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
     ds = _RestoreSliceTuples(ds)
-  ds = ds.map(_row)
-  ds = ds.batch(global_batch, batch_fn=functools.partial(_stack_rows, batch=global_batch))
+  ds = ds.map(_row if media is None else functools.partial(_media_row, media=media))
+  ds = ds.batch(global_batch, batch_fn=functools.partial(_stack_rows, batch=global_batch,
+                                                          media=media))
   rows = slice(process_index * local_batch, (process_index + 1) * local_batch)
   return ds.map(lambda batch: {k: v[rows] for k, v in batch.items()})

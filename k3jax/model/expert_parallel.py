@@ -27,6 +27,15 @@ Weights. The expert stacks [E, L, H] / [E, H, L] enter sharded as the rules stor
     and are summed (psum over tensor) after the combine, on u [rows_local, T, L], which
     is k * capacity_factor times smaller than the buffers (and, in the backward, on dz).
 Without a mesh the dispatch is plain `capacity_moe`, the same function on one device.
+
+`moe.dispatch = "expert_parallel_dropless"` (`expert_parallel_dropless_moe`, TPU and GPU:
+`jax.lax.ragged_all_to_all` has no CPU lowering) is the dropless dispatch run the same way:
+each device sorts its own (token, slot) pairs by expert (`dropless_moe`), sends each peer on
+`expert` the contiguous rows of that peer's experts with a ragged all-to-all (the row counts
+first, with a plain all-to-all), runs its local experts as grouped matmuls
+(`jax.lax.ragged_dot`) on what it received, and sends the rows back. Nothing is dropped: the
+receive buffer holds the worst case, ep * (its own pair count) rows. With one device on
+`expert` it is the dropless dispatch per data-parallel device (no exchange).
 """
 
 from __future__ import annotations
@@ -34,8 +43,11 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+import jax.numpy as jnp
+
 from k3jax.model import axes
-from k3jax.model.moe_dispatch import batched_glu_experts, capacity_moe
+from k3jax.model.moe_dispatch import (batched_glu_experts, capacity_moe, dropless_moe,
+                                      ragged_glu_experts)
 
 
 def _mesh_axes(entry) -> tuple[str, ...]:
@@ -60,30 +72,12 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
     u, kept = capacity_moe(z.reshape(b * t, -1).astype(dtype), idx.reshape(b * t, k),
                            weights.reshape(b * t, k), experts, num_experts, b, capacity)
     return u.reshape(b, t, -1), kept.reshape(b, t, k)
-
-  batch = _mesh_axes(axes.logical_to_spec(("batch",))[0])
-  ep, lat, hid = (_mesh_axes(a) for a in axes.logical_to_spec(("experts", "latent", "mlp")))
-  if len(ep) > 1:
-    raise ValueError(f"expert_parallel dispatch: experts map to one mesh axis, got {ep}")
-  ep_size = mesh.shape[ep[0]] if ep else 1
-  if num_experts % ep_size:
-    raise ValueError(f"expert_parallel dispatch: mesh axis '{ep[0]}' ({ep_size} devices) does "
-                     f"not divide model.moe.num_experts={num_experts}")
-  if ep and ep[0] not in batch:
-    raise ValueError(f"expert_parallel dispatch: mesh axis '{ep[0]}' splits the experts but "
-                     f"not the batch (batch -> {batch}); each of its devices needs its own rows")
-  if set(hid) & set(batch):
-    raise ValueError(f"expert_parallel dispatch: mesh axes {hid} split both the expert hidden "
-                     f"width (mlp) and the batch; the partial sums over them need equal rows")
+  batch, ep, lat, hid = _layout(mesh, num_experts, "expert_parallel")
 
   def local(z, idx, weights, w_g, w_u, w_d):
     """One device: its rows [b_loc, T, ...], its experts [E/ep, L/fsdp, H/tensor]."""
     bl = z.shape[0]
-    w_g, w_u, w_d = w_g.astype(dtype), w_u.astype(dtype), w_d.astype(dtype)
-    if lat:
-      w_g = jax.lax.all_gather(w_g, lat, axis=1, tiled=True)  # [E/ep, L, H/tensor]
-      w_u = jax.lax.all_gather(w_u, lat, axis=1, tiled=True)
-      w_d = jax.lax.all_gather(w_d, lat, axis=2, tiled=True)  # [E/ep, H/tensor, L]
+    w_g, w_u, w_d = _gather_latent(w_g, w_u, w_d, dtype, lat)
     run = batched_glu_experts(w_g, w_u, w_d, act, dtype)
 
     def experts(buf):  # [E, b_loc, C, L] -> the same, computed by the experts' owners
@@ -109,3 +103,113 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
   return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, stack_in, stack_in,
                                                    stack_out),
                        out_specs=(rows, rows))(z, idx, weights, w_g, w_u, w_d)
+
+
+def _layout(mesh, num_experts: int, name: str):
+  """(batch, ep, lat, hid): the mesh axes of the rules' `batch`, `experts`, `latent`, `mlp`;
+  ValueError when the experts or the batch cannot be split as the dispatch `name` needs."""
+  batch = _mesh_axes(axes.logical_to_spec(("batch",))[0])
+  ep, lat, hid = (_mesh_axes(a) for a in axes.logical_to_spec(("experts", "latent", "mlp")))
+  if len(ep) > 1:
+    raise ValueError(f"{name} dispatch: experts map to one mesh axis, got {ep}")
+  ep_size = mesh.shape[ep[0]] if ep else 1
+  if num_experts % ep_size:
+    raise ValueError(f"{name} dispatch: mesh axis '{ep[0]}' ({ep_size} devices) does "
+                     f"not divide model.moe.num_experts={num_experts}")
+  if ep and ep[0] not in batch:
+    raise ValueError(f"{name} dispatch: mesh axis '{ep[0]}' splits the experts but "
+                     f"not the batch (batch -> {batch}); each of its devices needs its own rows")
+  if set(hid) & set(batch):
+    raise ValueError(f"{name} dispatch: mesh axes {hid} split both the expert hidden "
+                     f"width (mlp) and the batch; the partial sums over them need equal rows")
+  return batch, ep, lat, hid
+
+
+def _gather_latent(w_g, w_u, w_d, dtype, lat):
+  """The local expert stacks in `dtype`, their fsdp shards of L all-gathered (the gradient
+  leaves as a reduce-scatter): [E/ep, L, H/tensor], [E/ep, H/tensor, L]."""
+  w_g, w_u, w_d = w_g.astype(dtype), w_u.astype(dtype), w_d.astype(dtype)
+  if lat:
+    w_g = jax.lax.all_gather(w_g, lat, axis=1, tiled=True)
+    w_u = jax.lax.all_gather(w_u, lat, axis=1, tiled=True)
+    w_d = jax.lax.all_gather(w_d, lat, axis=2, tiled=True)
+  return w_g, w_u, w_d
+
+
+def _ragged_exchange(run, rows: jax.Array, group_sizes: jax.Array, axis: str) -> jax.Array:
+  """`run` (local grouped experts) on the rows of the local experts of every peer on `axis`.
+
+  rows: [M, L] this device's pairs sorted by expert; group_sizes: [E] int32 pairs per
+  expert. Peer j owns experts [j E_l, (j+1) E_l), E_l = E / ep, so its rows are one
+  contiguous block. run: (rows [R, L] sorted by local expert, sizes [E_l]) -> [R, L].
+  Returns [M, L]: each row's expert output, in the order of `rows`.
+  """
+  ep = jax.lax.axis_size(axis)
+  m, num_experts = rows.shape[0], group_sizes.shape[0]
+  el = num_experts // ep
+  per_peer = group_sizes.reshape(ep, el)                              # [ep, E_l] to send
+  counts = jax.lax.all_to_all(per_peer, axis, 0, 0, tiled=True)       # [ep src, E_l] received
+  send_sizes = per_peer.sum(1)                                        # [ep]
+  recv_sizes = counts.sum(1)                                          # [ep]
+  input_offsets = jnp.cumsum(send_sizes) - send_sizes                 # in rows (sorted)
+  recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes                  # in the buffer
+  output_offsets = jax.lax.all_to_all(recv_offsets, axis, 0, 0, tiled=True)  # at each peer
+  capacity = ep * m  # the worst case: every peer sends all its pairs here
+  buf = jax.lax.ragged_all_to_all(rows, jnp.zeros((capacity, rows.shape[1]), rows.dtype),
+                                  input_offsets, send_sizes, output_offsets, recv_sizes,
+                                  axis_name=axis)                     # [ep * M, L]
+  # The buffer is ordered (source, local expert); regroup by local expert (stable), with the
+  # unused tail (local expert E_l) last.
+  ends = jnp.cumsum(counts.reshape(-1))                               # [ep * E_l]
+  segment = jnp.searchsorted(ends, jnp.arange(capacity), side="right")
+  local_expert = jnp.where(segment < ep * el, segment % el, el)
+  order = jnp.argsort(local_expert, stable=True)
+  out_sorted = run(jnp.take(buf, order, axis=0), counts.sum(0))       # [ep * M, L]
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(capacity, dtype=order.dtype))
+  out = jnp.take(out_sorted, inverse, axis=0)                         # buffer order
+  back = jax.lax.all_to_all(input_offsets, axis, 0, 0, tiled=True)    # where rows came from
+  return jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_offsets, recv_sizes,
+                                   back, send_sizes, axis_name=axis)
+
+
+def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array,
+                                 w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act,
+                                 dtype) -> jax.Array:
+  """The dropless dispatch per device, experts split over the mesh axis of `experts` and
+  exchanged with ragged all-to-alls (module docstring; TPU and GPU).
+
+  z: [B, T, L]; idx: [B, T, k] int32; weights: [B, T, k] fp32; w_g, w_u: [E, L, H];
+  w_d: [E, H, L]; act: the fp32 GLU activation. Without a mesh, `dropless_moe` on one
+  device. Returns u [B, T, L] fp32, equal to `dropless_moe`'s.
+  """
+  b, t, k = idx.shape
+  num_experts = w_g.shape[0]
+  mesh = axes.current_mesh()
+  if mesh is None:
+    experts = ragged_glu_experts(w_g, w_u, w_d, act, dtype)
+    u = dropless_moe(z.reshape(b * t, -1), idx.reshape(b * t, k), weights.reshape(b * t, k),
+                     experts, num_experts)
+    return u.reshape(b, t, -1)
+  batch, ep, lat, hid = _layout(mesh, num_experts, "expert_parallel_dropless")
+
+  def local(z, idx, weights, w_g, w_u, w_d):
+    """One device: its rows [b_loc, T, ...], its experts [E/ep, L/fsdp, H/tensor]."""
+    bl = z.shape[0]
+    run = ragged_glu_experts(*_gather_latent(w_g, w_u, w_d, dtype, lat), act, dtype)
+    experts = ((lambda rows, sizes: _ragged_exchange(run, rows, sizes, ep[0]))
+               if ep and mesh.shape[ep[0]] > 1 else run)
+    z = z.reshape(bl * t, -1).astype(dtype)
+    if hid:
+      z = jax.lax.pcast(z, hid, to="varying")  # as in expert_parallel_moe
+    u = dropless_moe(z, idx.reshape(bl * t, k), weights.reshape(bl * t, k), experts,
+                     num_experts)
+    if hid:
+      u = jax.lax.psum(u, hid)  # the partial sums of each tensor peer's slice of H
+    return u.reshape(bl, t, -1)
+
+  rows = P(batch or None, None, None)
+  stack_in, stack_out = P(ep or None, lat or None, hid or None), P(ep or None, hid or None,
+                                                                   lat or None)
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, stack_in, stack_in,
+                                                   stack_out),
+                       out_specs=rows)(z, idx, weights, w_g, w_u, w_d)

@@ -13,8 +13,9 @@ leading `layers` axis and run under `jax.lax.scan`, so compile time does not gro
 depth), and a `suffix` of the remaining layers.
 
 With `model.vision.enabled` the model also holds the MoonViT-V2 tower (`vision`);
-`embed_with_images` puts its features over the placeholder tokens of the input embedding.
-The train step does not feed images yet.
+`embed_with_images` puts its features over the placeholder tokens of the input embedding,
+and `__call__(tokens, segment_ids, media)` runs the stack on that embedding (the train
+step passes the batch's per-row media when it carries any).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class K3Model(nnx.Module):
     self.final_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
     self.lm_head = layers.Dense(d, v, ("embed", "vocab"), rngs=rngs, dtype=self.dtype,
                                 param_dtype=pdt, muon=None)  # AdamW (K3_SPEC 5)
-    # MoonViT-V2 (K3_SPEC 6) when model.vision.enabled; not yet fed by the train step.
+    # MoonViT-V2 (K3_SPEC 6) when model.vision.enabled.
     self.vision = nnx.data(VisionTower(cfg_model, rngs=rngs) if cfg_model.vision.enabled
                            else None)
     self.placeholder_id = cfg_model.vision.placeholder_id
@@ -165,8 +166,12 @@ class K3Model(nnx.Module):
       return fn
     return jax.checkpoint(fn, policy=REMAT[self.remat])
 
-  def __call__(self, tokens: jax.Array, segment_ids: jax.Array):
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array,
+               media: PackedMedia | None = None):
     """Returns (logits [B, T, vocab] in the compute dtype, aux).
+
+    media: None (text only), or the images of the batch (`embed_with_images`), whose
+    features replace the placeholder tokens' embeddings.
 
     aux mirrors the layer groups: {"prefix": [...], "cycles": [...], "suffix": [...]}, one
     dict per layer (stacked on a leading cycle axis for the scanned cycles): "moe" (the
@@ -174,8 +179,11 @@ class K3Model(nnx.Module):
     "logit_max" (per head) on MLA layers. `update_balance` and `qk_clip` consume it.
     """
     valid = segment_ids > 0
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
-    x = constrain(x, ("batch", "seq", "embed"))
+    if media is None:
+      x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+      x = constrain(x, ("batch", "seq", "embed"))
+    else:
+      x = self.embed_with_images(tokens, media)
     if self.use_attn_res:
       stream = attn_res.init_state(x, self.num_slots)
     else:
@@ -212,10 +220,22 @@ class K3Model(nnx.Module):
     return self.vision(media)
 
   def embed_with_images(self, tokens: jax.Array, media: PackedMedia) -> jax.Array:
-    """The input embedding [B, T, d] of `tokens` [B, T] with the k-th placeholder token
-    (model.vision.placeholder_id, row-major) replaced by image feature row k."""
+    """The input embedding [B, T, d] of `tokens` [B, T] with image features over the
+    placeholder tokens (model.vision.placeholder_id).
+
+    media: one PackedMedia for the batch (patches [N, P*P*3]): the k-th placeholder,
+    row-major over [B, T], gets feature row k; or one per row (leading batch axis, patches
+    [B, N, P*P*3], what the data pipeline gives): the tower runs on each row's buffer
+    (attention never spans rows) and row b's k-th placeholder gets its feature row k.
+    """
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
-    x = insert_features(x, tokens, self.embed_images(media), self.placeholder_id)
+    if jnp.ndim(media.patches) == 2:
+      x = insert_features(x, tokens, self.embed_images(media), self.placeholder_id)
+    else:
+      feats = jax.vmap(self.embed_images)(media)                          # [B, K, d]
+      insert_row = lambda e, t, f: insert_features(e[None], t[None], f,  # noqa: E731
+                                                   self.placeholder_id)[0]
+      x = jax.vmap(insert_row)(x, tokens, feats)
     return constrain(x, ("batch", "seq", "embed"))
 
   @staticmethod

@@ -16,7 +16,13 @@ A dispatch maps z and the routing to u, chosen by `moe.dispatch` (`moe_dispatch.
       matmuls on every backend; packed documents can still take buffer space from later
       documents of the same row, so only "dropless" makes them fully independent;
   "expert_parallel": "capacity" under `shard_map` on the active mesh, experts split over
-      the `expert` axis and an explicit all-to-all of the latent buffers; the same result.
+      the `expert` axis and an explicit all-to-all of the latent buffers; the same result;
+  "expert_parallel_dropless": "dropless" the same way, the sorted rows exchanged with
+      ragged all-to-alls (TPU and GPU only); per data-parallel device when mesh.expert is 1;
+  "auto": "expert_parallel_dropless" when the program is compiled for TPU, "capacity" for
+      GPU and CPU (`moe_dispatch.resolve_dispatch`; the platform of the mesh installed by
+      `axes.use_rules`, else JAX's default backend: a compile-only TPU mesh on a CPU host,
+      as in `k3jax.aot`, gets the TPU choice).
 
 The bias is a `BalanceBias` variable, not a parameter: the train step sums the returned
 histograms `aux["counts"]` over microbatches (and data-parallel devices) and calls
@@ -36,10 +42,10 @@ from jax.sharding import PartitionSpec
 from k3jax.model import axes
 from k3jax.model import quantile_balancing as qb
 from k3jax.model.axes import constrain
-from k3jax.model.expert_parallel import expert_parallel_moe
+from k3jax.model.expert_parallel import expert_parallel_dropless_moe, expert_parallel_moe
 from k3jax.model.layers import Dense, RMSNorm, normal, param
 from k3jax.model.moe_dispatch import (DISPATCHES, batched_glu_experts, capacity_moe,
-                                      dropless_moe, ragged_glu_experts)
+                                      dropless_moe, ragged_glu_experts, resolve_dispatch)
 from k3jax.model.situ_glu import GLUMLP, glu_activation
 
 
@@ -121,13 +127,21 @@ class LatentMoE(nnx.Module):
     act = glu_activation(self.activation, self.b1, self.b2)
     flat_valid = valid.reshape(n)
     w = weights * self.routed_scaling
-    if self.dispatch == "dropless":
+    mesh = axes.current_mesh()
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    dispatch = resolve_dispatch(self.dispatch, platform)
+    if dispatch == "dropless":
       experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype)
       u = dropless_moe(z.reshape(n, -1), idx, w, experts, n_exp)
       dropped = jnp.zeros((), jnp.int32)
+    elif dispatch == "expert_parallel_dropless":
+      u = expert_parallel_dropless_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k),
+                                       self.w_g[...], self.w_u[...], self.w_d[...], act,
+                                       self.dtype)
+      dropped = jnp.zeros((), jnp.int32)
     else:
       capacity = max(1, math.ceil(self.capacity_factor * t * k / n_exp))  # per row
-      if self.dispatch == "expert_parallel":
+      if dispatch == "expert_parallel":
         u, kept = expert_parallel_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k),
                                       self.w_g[...], self.w_u[...], self.w_d[...], act,
                                       self.dtype, capacity)

@@ -9,6 +9,14 @@
 Both take the expert computation as a function (`ExpertsFn`, `BufferExpertsFn`): the
 piece that `expert_parallel` wraps in an all-to-all. Shapes: N tokens (rows * T, row-major),
 k slots per token, E experts, L latent width, H expert hidden width, C capacity.
+
+"auto" (`resolve_dispatch`) picks per platform: on TPU the dropless dispatch, where XLA
+compiles `ragged_dot` to grouped-matmul kernels (`ragged-dot-*` TPU custom calls;
+tests/test_aot.py compiles the layer for v5p), in its per-device form
+"expert_parallel_dropless" (under jit alone XLA runs the sorted rows of "dropless"
+unpartitioned: every data-parallel device computes every token's experts); "capacity" on
+GPU and CPU, where `ragged_dot` runs far below the matmul rate (~60x on the H200,
+experiments/k3_small.py; every expert densely on CPU).
 """
 
 from __future__ import annotations
@@ -18,9 +26,22 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-DISPATCHES = ("dropless", "capacity", "expert_parallel")  # moe.dispatch (expert_parallel.py)
+DISPATCHES = ("dropless", "capacity", "expert_parallel", "expert_parallel_dropless",
+              "auto")  # moe.dispatch; the expert_parallel ones: expert_parallel.py
 ExpertsFn = Callable[[jax.Array, jax.Array], jax.Array]
 BufferExpertsFn = Callable[[jax.Array], jax.Array]
+
+
+def resolve_dispatch(dispatch: str, platform: str) -> str:
+  """`dispatch` (one of DISPATCHES) with "auto" made concrete for `platform`, what the
+  program is compiled for ("tpu", "gpu"/"cuda", "cpu"): "expert_parallel_dropless" (the
+  dropless dispatch per device) on TPU, "capacity" elsewhere. The other names are returned
+  as they are."""
+  if dispatch not in DISPATCHES:
+    raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+  if dispatch != "auto":
+    return dispatch
+  return "expert_parallel_dropless" if platform == "tpu" else "capacity"
 
 
 def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: ExpertsFn,

@@ -7,15 +7,27 @@
 
 Batches are split over data x fsdp x expert; the rules in `sharding.py` say which
 logical axis of which array goes where.
+
+Several TPU slices (multi-slice, joined by the data-centre network, DCN) form one hybrid
+mesh: `mesh.dcn_<axis>` of the `mesh.<axis>` ways run across slices, the rest
+(`mesh.<axis> / mesh.dcn_<axis>`, the ICI part) within each slice. The DCN sizes multiply
+to the number of slices; e.g. 2 slices of 64 chips with `mesh.fsdp=64, mesh.dcn_data=2`
+(data = -1 fills to 2): data parallelism over DCN, FSDP inside each slice. Along every axis
+the slice is the outer (major) index, so the devices of one slice are contiguous in the ICI
+part and a collective over a DCN-free axis never leaves its slice. Slices are the devices'
+`slice_index` (TPU); where devices have none, each process is a slice (GPU hosts).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
 
 import jax
 import ml_collections
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from k3jax.config import ConfigError
@@ -43,10 +55,69 @@ def mesh_shape(cfg_mesh: ml_collections.ConfigDict, num_devices: int) -> dict[st
   return sizes
 
 
+def dcn_shape(cfg_mesh: ml_collections.ConfigDict, sizes: dict[str, int],
+              num_slices: int) -> dict[str, int]:
+  """The DCN part of each axis (`mesh.dcn_<axis>`); ConfigError naming the field when one
+  does not divide its axis or they do not multiply to the `num_slices` slices."""
+  dcn = {a: int(cfg_mesh[f"dcn_{a}"]) for a in MESH_AXES}
+  for a, s in dcn.items():
+    if s < 1:
+      raise ConfigError(f"config.mesh.dcn_{a}: must be >= 1, got {s}")
+    if sizes[a] % s:
+      raise ConfigError(f"config.mesh.dcn_{a}: {s} slices do not divide mesh.{a} = "
+                        f"{sizes[a]} (the ICI part mesh.{a} / dcn_{a} must be whole)")
+  if math.prod(dcn.values()) != num_slices:
+    across = {f"dcn_{a}": s for a, s in dcn.items() if s > 1} or "all 1"
+    hint = (f"e.g. mesh.dcn_data={num_slices}" if num_slices > 1 else
+            "on one slice every mesh.dcn_* is 1")
+    raise ConfigError(
+        f"config.mesh.dcn_*: the devices form {num_slices} slice(s), but the DCN sizes "
+        f"({across}) multiply to {math.prod(dcn.values())}; they must multiply to the number "
+        f"of slices ({hint})")
+  return dcn
+
+
+def slices(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
+  """The devices grouped by slice (`slice_index`; the process where devices have none), in
+  slice order."""
+  key = "slice_index" if hasattr(devices[0], "slice_index") else "process_index"
+  groups = collections.defaultdict(list)
+  for d in devices:
+    groups[getattr(d, key)].append(d)
+  return [groups[k] for k in sorted(groups)]
+
+
 def make_mesh(cfg_mesh: ml_collections.ConfigDict,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The mesh over `devices` (default: all), axes MESH_AXES, every axis in Auto mode."""
+  """The mesh over `devices` (default: all), axes MESH_AXES, every axis in Auto mode; over
+  several slices, the hybrid mesh of the module docstring."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = mesh_shape(cfg_mesh, len(devices))
-  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  groups = slices(devices)
+  across = math.prod(int(cfg_mesh[f"dcn_{a}"]) for a in MESH_AXES)
+  if len(groups) == 1 or (devices[0].platform != "tpu" and across == 1):
+    # One slice (or GPU/CPU processes without a DCN split asked for): one ICI mesh.
+    dcn_shape(cfg_mesh, sizes, 1)
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices=devices,
+                         axis_types=axis_types)
+  dcn = dcn_shape(cfg_mesh, sizes, len(groups))
+  per_slice = {len(g) for g in groups}
+  if len(per_slice) > 1:
+    raise ConfigError(f"config.mesh.dcn_*: the slices have different device counts "
+                      f"{sorted(per_slice)}; a hybrid mesh needs equal slices")
+  ici = tuple(sizes[a] // dcn[a] for a in MESH_AXES)
+  # Within a slice, the arrangement jax.make_mesh gives one slice (it splits physical axes
+  # of v5e only).
+  array = mesh_utils.create_hybrid_device_mesh(
+      ici, tuple(dcn[a] for a in MESH_AXES), devices,
+      process_is_granule=not hasattr(devices[0], "slice_index"),
+      allow_split_physical_axes=devices[0].device_kind in ("TPU v5 lite", "TPU v5e"))
+  return Mesh(np.asarray(array), MESH_AXES, axis_types=axis_types)
+
+
+def slices_along(mesh: Mesh) -> dict[str, int]:
+  """How many TPU slices (`slice_index`) each mesh axis spans; 1: it stays within a slice."""
+  ids = np.vectorize(lambda d: getattr(d, "slice_index", 0))(mesh.devices)
+  return {a: len(set(np.moveaxis(ids, i, 0)[(slice(None),) + (0,) * (ids.ndim - 1)]))
+          for i, a in enumerate(mesh.axis_names)}

@@ -131,6 +131,16 @@ def _prep_dtypes(cfg):
   return mm, F32, mm, mm, mm, F32
 
 
+def _chunk_specs(cfg):
+  """BlockSpecs of one chunk per program, grid (B, H, N): (per-token [.., C, d] of d
+  columns, per-token column [B, Tp, 1], the chunk's document row [B, N, 1, C])."""
+  C = cfg.chunk
+  tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
+  col = pl.BlockSpec((None, C, 1), lambda b, h, n: (b, n, 0))
+  row = pl.BlockSpec((None, None, 1, C), lambda b, h, n: (b, n, 0, 0))
+  return tok, col, row
+
+
 def prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
   """q, k, g [B, H, Tp, K]; v [B, H, Tp, V]; beta [B, H, Tp, 1]; doc_c [B, Tp, 1] int32;
   doc_r [B, N, 1, C] int32; sees, last [B, Tp, 1]. Returns w, q_s, k_s [B, H, Tp, K],
@@ -139,16 +149,14 @@ def prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
   V = v.shape[-1]
   C = cfg.chunk
   N = Tp // C
-  tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
-  col = pl.BlockSpec((None, C, 1), lambda b, h, n: (b, n, 0))
+  tok, col, row = _chunk_specs(cfg)
   dtypes = _prep_dtypes(cfg)
   out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), dt)
                for d, dt in zip((K, V, C, K, K), dtypes)]
   out_shape.append(jax.ShapeDtypeStruct((B, H, N, 1, K), F32))
   return _call(
       cfg, functools.partial(_prep_kernel, cfg=cfg), grid=(B, H, N),
-      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col,
-                pl.BlockSpec((None, None, 1, C), lambda b, h, n: (b, n, 0, 0)), col, col],
+      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col],
       out_specs=[tok(K), tok(V), tok(C), tok(K), tok(K),
                  pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))],
       out_shape=out_shape, num_warps=cfg.prep_warps,
@@ -197,14 +205,11 @@ def prep_bwd_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da,
   B, H, Tp, K = q.shape
   V = v.shape[-1]
   C = cfg.chunk
-  N = Tp // C
-  tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
-  col = pl.BlockSpec((None, C, 1), lambda b, h, n: (b, n, 0))
+  tok, col, row = _chunk_specs(cfg)
   out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), F32) for d in (K, K, V, K, 1)]
   return _call(
-      cfg, functools.partial(_prep_bwd_kernel, cfg=cfg), grid=(B, H, N),
-      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col,
-                pl.BlockSpec((None, None, 1, C), lambda b, h, n: (b, n, 0, 0)), col, col,
+      cfg, functools.partial(_prep_bwd_kernel, cfg=cfg), grid=(B, H, Tp // C),
+      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col,
                 tok(K), tok(V), tok(C), tok(K), tok(K),
                 pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))],
       out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
