@@ -71,7 +71,8 @@ def fwd_and_bwd(f):
 
 
 def layer_parts(cfg_model, rows: int, seq: int, key):
-  """The layer and its separately timed parts: name -> (f(params, x), params, x, flops)."""
+  """The layer and its separately timed parts: name -> (f(params, x), params, x, useful
+  forward FLOPs, issued forward FLOPs); 0 FLOPs where no rate is meaningful."""
   m, e = cfg_model, cfg_model.moe
   d, n_exp, lat, hid, k = m.d_model, e.num_experts, e.latent_dim, e.expert_dim, e.top_k
   dtype = jnp.dtype(m.dtype)
@@ -94,27 +95,27 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
   per_pair = 3 * 2 * lat * hid  # expert FLOPs of one (token, slot) pair, forward
   useful = n * k * per_pair
   dense = n * (2 * d * n_exp + 2 * d * lat + 2 * lat * d + e.num_shared * 3 * 2 * d * e.shared_dim)
-  parts = {"layer": (run_layer, state, x, useful + dense)}
+  parts = {"layer": (run_layer, state, x, useful + dense, useful + dense)}
 
   if e.dispatch == "dropless":
     parts["experts"] = (
         lambda w, rows_: moe_dispatch.ragged_glu_experts(w["g"], w["u"], w["d"], act, dtype)(
             rows_, jnp.full((n_exp,), n * k // n_exp, jnp.int32)),
-        w, jnp.repeat(z, k, axis=0), useful)
+        w, jnp.repeat(z, k, axis=0), useful, useful)
     parts["dispatch"] = (
         lambda _, z: moe_dispatch.dropless_moe(z, idx, weights, lambda r, g: r, n_exp),
-        {}, z, 0)
+        {}, z, 0, 0)
   else:
     capacity = max(1, math.ceil(e.capacity_factor * seq * k / n_exp))
     buf = jax.random.normal(kz, (n_exp, rows, capacity, lat), dtype)
     parts["experts"] = (
         lambda w, b: moe_dispatch.batched_glu_experts(w["g"], w["u"], w["d"], act, dtype)(b),
-        w, buf, n_exp * rows * capacity * per_pair)
+        w, buf, useful, n_exp * rows * capacity * per_pair)
     parts["dispatch"] = (
         lambda _, z: moe_dispatch.capacity_moe(z, idx, weights, lambda b: b, n_exp, rows,
                                                capacity)[0],
-        {}, z, 0)
-  return parts, aux, useful + dense
+        {}, z, 0, 0)
+  return parts, aux
 
 
 def main(argv):
@@ -142,21 +143,20 @@ def main(argv):
       cfg.model.moe.dispatch = dispatch
       if factor:
         cfg.model.moe.capacity_factor = factor
-    parts, aux, layer_flops = layer_parts(cfg.model, rows, t.seq_len, jax.random.key(0))
+    parts, aux = layer_parts(cfg.model, rows, t.seq_len, jax.random.key(0))
     pairs = rows * t.seq_len * e.top_k
     dropped = int(aux["dropped"])
     print(f"# {dispatch} cf {factor}: {dropped} of {pairs} pairs dropped "
           f"({dropped / pairs:.2%})", flush=True)
     times = {}
-    for name, (f, params, x, issued) in parts.items():
+    for name, (f, params, x, useful, issued) in parts.items():
       fwd, bwd = fwd_and_bwd(f)
       times[name] = (timed_ms(fwd, params, x, reps=_REPS.value),
-                     timed_ms(bwd, params, x, reps=_REPS.value), issued)
+                     timed_ms(bwd, params, x, reps=_REPS.value), useful, issued)
     lay = times["layer"][1]
     times["non-expert"] = (times["layer"][0] - times["experts"][0],
-                           lay - times["experts"][1], 0)
-    for name, (f_ms, b_ms, issued) in times.items():
-      useful = {"layer": layer_flops, "experts": pairs * 6 * e.latent_dim * e.expert_dim}.get(name)
+                           lay - times["experts"][1], 0, 0)
+    for name, (f_ms, b_ms, useful, issued) in times.items():
       rate = ""
       if useful:
         rate = f"{3 * useful / b_ms / 1e9:.0f}"

@@ -143,8 +143,9 @@ def build_once(cfg, mesh: Mesh) -> Program:
     *parents, leaf = dotted.split(".")
     section = functools.reduce(lambda d, k: d.get(k, {}), parents, fields)
     section.pop(leaf, None)
-  # data.images changes the batch's arrays (abstract_batch), so it is part of the program.
-  fields["data.images"] = cfg.data.images.to_dict()
+  # The data section is run-only except for the batch's arrays it implies (abstract_batch).
+  fields["batch"] = {name: (shape, str(dtype)) for name, (shape, dtype)
+                     in batch_shapes(cfg).items()}
   key = (json.dumps(fields, sort_keys=True, default=repr), mesh)
   if key not in _BUILT:
     _BUILT[key] = build(cfg, mesh)

@@ -547,15 +547,15 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   platform = platform or ("cpu" if interpret else jax.default_backend())
   if platform == "cuda":
     platform = "gpu"
+  Kp, Vp = _pow2(K), _pow2(V)
   if block_v is None:
-    block_v = 64 if B * H * max(1, _pow2(V) // 64) >= MIN_PROGRAMS else 32
+    block_v = 64 if B * H * max(1, Vp // 64) >= MIN_PROGRAMS else 32
   cfg = Config(scale=float(K ** -0.5 if scale is None else scale), chunk=C, sub=L,
                block_v=block_v, mm_dtype=jnp.dtype(q.dtype).name if q.dtype == jnp.bfloat16
                else "float32", interpret=interpret, platform=platform,
                save_states=save_states, **tuning)
   pad_t = -T % C
   Tp, N = T + pad_t, (T + pad_t) // C
-  Kp, Vp = _pow2(K), _pow2(V)
   bv = min(block_v, Vp)
   if Vp % bv:
     raise ValueError(f"block_v={block_v} does not divide the padded V={Vp}")

@@ -92,8 +92,7 @@ def newton_schulz(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, backend="auto",
   tpu_fits = tpu_block_bytes(x.shape, x.dtype) <= TPU_MAX_BLOCK_BYTES
   interpreted = functools.partial(tpu, interpret=True) if tpu_fits else gram_xla
   tpu = tpu if tpu_fits else gram_xla
-  gpu = functools.partial(newton_schulz_gpu, **kw,
-                          iterate_precision=None if x.dtype == jax.numpy.float32 else gpu_iterate)
+  gpu = functools.partial(newton_schulz_gpu, **kw, iterate_precision=gpu_iterate)
   gpu = gpu if min(x.shape[-2:]) <= GPU_MAX_ROWS else gram_xla
   if backend == "pallas":
     return jax.lax.platform_dependent(x, tpu=tpu, cuda=gpu, default=interpreted)

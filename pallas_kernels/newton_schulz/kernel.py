@@ -249,8 +249,9 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
     "xla": batched XLA matmuls between the Gram and apply kernels; the float32 default:
       Triton's IEEE float32 dots become unrolled FMA code, and a program of 17 [128, 128]
       products did not finish compiling in 110 s on the H200.
-  iterate_precision: the iteration's matmul precision, a name of GPU_ITERATE or any jax
-    precision: default HIGHEST for float32 x, "tf32" otherwise (float32 accumulation; H200:
+  iterate_precision: the iteration's matmul precision: a name of GPU_ITERATE (the bf16
+    iteration; float32 x iterates at HIGHEST) or any jax precision (used as given); default
+    "tf32" (float32 accumulation; H200:
     0.266 ms and error 2.8e-3 against the float32 reference on Gaussian blocks, vs 0.281 ms
     and 3.4e-4 with "bf16x3", 0.208 ms and 1.6e-2 with bf16 operands).
 
@@ -279,10 +280,10 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   cols = nt // splits * tn
 
-  if iterate_precision is None:
-    # DEFAULT: tf32 operands in Triton (float32 in interpret mode on a CPU)
-    iterate_precision = _HI if exact else "tf32"
-  iterate_precision = GPU_ITERATE.get(iterate_precision, iterate_precision)
+  if iterate_precision is None or iterate_precision in GPU_ITERATE:
+    # a name sets the bf16 iteration (tf32: DEFAULT in Triton, float32 in interpret mode);
+    # float32 inputs iterate at HIGHEST
+    iterate_precision = _HI if exact else GPU_ITERATE[iterate_precision or "tf32"]
   dot = lambda u, v: jnp.matmul(u, v, precision=iterate_precision, preferred_element_type=_F32)
   poly = functools.partial(gram_matrix_polynomial, steps=steps, coeffs=coeffs, eps=eps, dot=dot)
   iterate_params = pltriton.CompilerParams(num_warps=iterate_warps, num_stages=num_stages)
