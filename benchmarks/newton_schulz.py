@@ -53,16 +53,14 @@ def paths(shape, variants):
   if min(shape[1:]) <= 128:  # (the Gram form in XLA is 2-4x slower than XLA for the others)
     out["gram_xla"] = functools.partial(newton_schulz, backend="gram_xla")
     if variants:
-      P, A = jax.lax.Precision, jax.lax.DotAlgorithmPreset
-      x3 = dict(iterate="whole", iterate_precision=A.BF16_BF16_F32_X3)
+      whole = dict(iterate="whole")
       for name, kw in {
-          "pallas iterate=whole tf32": dict(iterate="whole", iterate_precision=P.DEFAULT),
-          "pallas iterate=whole bf16x3": x3,
-          "pallas iterate=whole bf16x3 stages2": dict(x3, num_stages=2),
-          "pallas iterate=whole bf16x3 stages4": dict(x3, num_stages=4),
-          "pallas iterate=whole bf16x3 tn128": dict(x3, tile_n=128),
-          "pallas iterate=whole bf16x3 tn128 stages4": dict(x3, tile_n=128, num_stages=4),
-          "pallas iterate=whole bf16x3 warps4": dict(x3, iterate_warps=4),
+          "pallas iterate=whole tf32": dict(whole, iterate_precision=jax.lax.Precision.DEFAULT),
+          "pallas iterate=whole bf16x3": dict(whole, iterate_precision="bf16x3"),
+          "pallas iterate=whole fp16": dict(whole, iterate_precision="fp16"),
+          "pallas iterate=whole fp16 tn128": dict(whole, iterate_precision="fp16", tile_n=128),
+          "pallas iterate=fused fp16": dict(iterate="fused", iterate_precision="fp16"),
+          "pallas iterate=kernel fp16": dict(iterate="kernel", iterate_precision="fp16"),
       }.items():
         out[name] = functools.partial(newton_schulz_gpu, **kw)
   return out

@@ -30,6 +30,7 @@ import optax
 from absl import app, flags
 
 from k3jax import cli, optim, parallel, program
+from k3jax import data as k3data
 from k3jax import config as k3config
 from k3jax import flops
 from k3jax.optim import muon
@@ -43,6 +44,28 @@ _DEVICES = flags.DEFINE_integer("devices", 1, "devices of the train step's mesh 
 _NS_BLOCKS = flags.DEFINE_bool("ns_blocks", True, "time Newton-Schulz alone per block shape")
 _TRAIN_STEP = flags.DEFINE_bool("train_step", True, "also compile and time the train step "
                                 "(minutes of compile for k3_small)")
+
+
+def first_batch(cfg) -> dict:
+  """The global batch the step is timed on: synthetic tokens (one document per row), or with
+  `data.images` the first batch of the config's own pipeline (the pictures and their
+  placeholder runs cannot be made up)."""
+  t = cfg.train
+  if cfg.data.images.source != "none":
+    ds = k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
+                             seed=cfg.seed, media=k3data.MediaSpec.from_config(cfg.model.vision))
+    batch = next(iter(ds))
+    images = int(np.sum(np.asarray(batch["media_grid_thw"])[..., 0] > 0))
+    patches = int(np.sum(np.asarray(batch["media_segment_ids"]) > 0))
+    print(f"# first batch of the data pipeline: {images} images, {patches} patches, "
+          f"{int(np.sum(batch['weights']))} weighted targets", flush=True)
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1))
+  return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
+          "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
+          "segment_ids": jnp.ones((t.global_batch, t.seq_len), jnp.int32),
+          "weights": jnp.ones((t.global_batch, t.seq_len), jnp.float32)}
 
 
 def timed(fn, *args, reps: int) -> tuple[float, object]:
@@ -106,12 +129,7 @@ def main(argv):
   with prog.rules():
     params, _, opt_state = prog.init()
   del opt_state
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1))
-  batch = {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
-           "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
-           "segment_ids": jnp.ones((t.global_batch, t.seq_len), jnp.int32),
-           "weights": jnp.ones((t.global_batch, t.seq_len), jnp.float32)}
+  batch = first_batch(cfg)
 
   # The optimizer steps first: they compile in seconds, the train step in minutes.
   grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)

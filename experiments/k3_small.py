@@ -5,13 +5,21 @@
 3 hybrid cycles [KDA, KDA, KDA, MLA] + the final MLA; KDA/MLA 16 heads of 128 (the
 shapes of the KDA kernel benchmarks); LatentMoE over a 1024-wide latent; AttnRes blocks
 of 4 layers. The vocabulary is K3's, so a real tokenizer can replace the byte default.
+
+"multimodal" (`--config=experiments/k3_small.py:multimodal`): the 12-layer MoonViT-V2 below
+on, reading generated pictures of 224-448 px (16-32 patches a side) mixed 1:1 with text;
+each batch row packs up to 8 of them in 4,096 patches.
 """
 
 from k3jax import config as k3config
 
 
+VARIANTS = (None, "", "multimodal")
+
+
 def get_config(arg: str | None = None):
-  del arg
+  if arg not in VARIANTS:
+    raise ValueError(f"experiments/k3_small.py: unknown variant {arg!r} (known: multimodal)")
   c = k3config.base_config()
   m = c.model
   m.d_model = 2_048
@@ -27,8 +35,8 @@ def get_config(arg: str | None = None):
   # chunk 16 (the kernel's best tile; --config.model.kda.backend=kernel
   # --config.model.kda.chunk_size=16), results/kda.md
   m.kda.chunk_size = 32
-  # A 12-layer, 768-wide MoonViT-V2 (86M + a 6M projector); off until the train step
-  # feeds images (a tower nothing reads would only take weight decay).
+  # A 12-layer, 768-wide MoonViT-V2 (86M + a 6M projector), on in the "multimodal" variant
+  # (a tower nothing reads would only take weight decay).
   v = m.vision
   v.num_layers, v.width, v.num_heads, v.head_dim, v.mlp_dim = 12, 768, 6, 128, 3_072
   v.pos_grid, v.max_patches = 32, 4_096
@@ -43,4 +51,8 @@ def get_config(arg: str | None = None):
   # Pieces read in 8 processes (of the H200 host's 16 cores) ahead of packing; the
   # batches are those of worker_count=0.
   c.data.worker_count = 8
+  if arg == "multimodal":
+    v.enabled, v.max_media = True, 8
+    c.data.images.source, c.data.images.weight = "generated", 1.0
+    c.data.images.min_size, c.data.images.max_size = 224, 448
   return c

@@ -14,18 +14,28 @@ from k3jax import params as k3params
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load(name):
+def experiment(name):
   import importlib.util  # noqa: PLC0415
   spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments",
                                                                    f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module
+
+
+def load(name, variant=None):
+  return experiment(name).get_config(variant)
 
 
 @pytest.mark.parametrize("name", ["k3_full", "k3_small", "k3_tiny"])
 def test_experiments_validate(name):
-  k3config.validate(load(name))
+  """Every experiment and each of its named variants (`VARIANTS`) is a valid config; an
+  unknown variant is refused with the known ones named."""
+  for variant in {None, *getattr(experiment(name), "VARIANTS", ())}:
+    k3config.validate(load(name, variant))
+  if hasattr(experiment(name), "VARIANTS"):
+    with pytest.raises(ValueError, match="unknown variant"):
+      load(name, "no-such-variant")
 
 
 @pytest.mark.parametrize("field,value,match", [

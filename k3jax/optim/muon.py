@@ -129,7 +129,7 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
                   ns_steps: int = 5, ns_coeffs: tuple[float, float, float] =
                   (3.4445, -4.7750, 2.0315), rms_scale: float = 0.2, eps: float = 1e-7,
                   ns_dtype: Any = jnp.bfloat16, ns_backend: str = "auto",
-                  ns_gpu_iterate: str = "tf32",
+                  ns_gpu_iterate: str = "fp16",
                   mesh: Mesh | None = None, specs: Any = None
                   ) -> optax.GradientTransformation:
   """Muon's direction: momentum, per-block Newton-Schulz, 0.2 sqrt(max fan) per block.

@@ -14,9 +14,8 @@ The same three stages (Gram matrix, [m, m] polynomial, final product) in two lay
   one-split Gram kernel, or in XLA); an apply kernel, grid = (blocks, n / (4 tiles)), writes
   q @ X over the whole GPU. With few blocks this fills the SMs that one program per block
   would leave idle. float32 inputs iterate in XLA (`newton_schulz_gpu` says why).
-  Measured on the H200 (96 x 128 x 7168 bf16): whole 0.260 ms; split with the iteration
-  fused 0.286 ms, in its own kernel 0.317 ms, as ~30 batched XLA ops 0.437 ms. The GPU
-  path takes m <= 128.
+  Measured on the H200 (96 x 128 x 7168 bf16, fp16 iteration): whole 0.211 ms; split with
+  the iteration fused 0.234 ms, in its own kernel 0.252 ms. The GPU path takes m <= 128.
 
 Why Triton rather than Mosaic GPU: the work is two short streaming loops of small
 (m x 128) matmuls whose tiles Triton lays out, pipelines and feeds to the tensor cores from
@@ -28,7 +27,8 @@ default GPU backend for `pallas_call` is Mosaic GPU).
 Arithmetic (both layouts, and interpret mode, which runs the same kernel bodies on a CPU):
 float32 inputs use float32 matmuls at HIGHEST precision throughout; bf16 inputs use bf16
 operands with float32 accumulation for X X^T and q @ X (q split into bf16 hi + lo), and
-the [m, m] iteration runs in float32 (TPU: HIGHEST; GPU: tf32 operands for bf16 inputs).
+the [m, m] iteration accumulates in float32 (TPU: HIGHEST; GPU: fp16 operands for bf16
+inputs, or bf16x3, see GPU_ITERATE).
 
 Padding (inside the wrapper, zeros): rows to the layout's multiple (zero rows of X give zero
 rows and columns of the Gram matrix, so they never mix into the real rows), columns to a
@@ -56,11 +56,15 @@ GPU_MAX_ROWS = 128  # the GPU Gram kernel keeps an [m, m] float32 accumulator in
 TPU_MAX_BLOCK_BYTES = 10 * 2**20  # VMEM holds 2 input and 2 output blocks
 GPU_TARGET_PROGRAMS = 264  # 2 programs per SM of an H100/H200
 WHOLE_MIN_BLOCKS = 64  # one program per block ("whole") from this many blocks
-# The GPU kernels' [m, m] iteration for bf16 inputs (float32 accumulation either way). H200,
-# 96 x 128 x 7168: tf32 0.258-0.262 ms, bf16x3 0.272-0.276 ms; error against the float32
-# reference on ill-conditioned blocks (cond 1e4, rank 4 + noise): tf32 0.17-0.29, about
-# plain XLA's bf16 (0.14-0.75), bf16x3 0.004-0.006 (benchmarks/results/newton_schulz.md).
-GPU_ITERATE = {"tf32": jax.lax.Precision.DEFAULT,
+# The GPU kernels' [m, m] iteration for bf16 inputs: the operands of its 17 products
+# (float32 accumulation either way). fp16 keeps tf32's 10 mantissa bits at the bf16
+# tensor-core rate, twice tf32's, and its range suffices: the Gram matrix is normalized
+# (entries <= 1) and q's entries stay below the polynomial's largest gain, a^steps ~ 500.
+# H200, 96 x 128 x 7168 (benchmarks/results/newton_schulz.md, run I): fp16 0.211 ms, tf32
+# 0.258 ms with the same errors, bf16x3 0.273 ms; error against the float32 reference on
+# ill-conditioned blocks (cond 1e4, rank 4 + noise): fp16 0.17-0.30, about plain XLA's bf16
+# (0.14-0.75), bf16x3 0.004-0.006.
+GPU_ITERATE = {"fp16": jnp.float16,
                "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3}
 
 
@@ -239,8 +243,9 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   iterate: where the [m, m] iteration runs, i.e. the kernel layout:
     "whole": one kernel, one program per block: Gram matrix, iteration and q @ X, the TPU
       kernel's layout, X read twice by the same program (it stays in HBM). The bf16
-      default from WHOLE_MIN_BLOCKS blocks (H200, 96 x 128 x 7168: 0.260 ms with tf32 and
-      256-column tiles; the three layouts below 0.286, 0.317 and 0.437 ms).
+      default from WHOLE_MIN_BLOCKS blocks (H200, 96 x 128 x 7168: 0.211 ms with the fp16
+      iteration and 256-column tiles; "fused" 0.234, "kernel" 0.252 ms; with tf32 "whole"
+      0.258, "fused" 0.285, "kernel" 0.317 and "xla" 0.437 ms).
     "fused": at the end of a Gram kernel with one program per block, then an apply kernel
       over the whole GPU.
     "kernel": a Triton kernel of its own, after a Gram kernel split over columns; the bf16
@@ -249,11 +254,11 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
     "xla": batched XLA matmuls between the Gram and apply kernels; the float32 default:
       Triton's IEEE float32 dots become unrolled FMA code, and a program of 17 [128, 128]
       products did not finish compiling in 110 s on the H200.
-  iterate_precision: the iteration's matmul precision: a name of GPU_ITERATE (the bf16
-    iteration; float32 x iterates at HIGHEST) or any jax precision (used as given); default
-    "tf32" (float32 accumulation; H200:
-    0.266 ms and error 2.8e-3 against the float32 reference on Gaussian blocks, vs 0.281 ms
-    and 3.4e-4 with "bf16x3", 0.208 ms and 1.6e-2 with bf16 operands).
+  iterate_precision: the bf16 iteration's operands, a name of GPU_ITERATE (float32 x
+    iterates at HIGHEST), or any jax precision, used as given; default "fp16" (float32
+    accumulation; H200, "whole": 0.211 ms and error 2.8e-3 against the float32 reference
+    on Gaussian blocks, vs 0.273 ms and 3.4e-4 with "bf16x3", 0.258 ms and 2.8e-3 with
+    tf32 (Precision.DEFAULT), 0.208 ms and 1.6e-2 with bf16 operands).
 
   Rows are padded to a power of two >= 16 (Triton tiles), columns to a multiple of the tile
   (tile_n, default 64 for float32, 256 for bf16 "whole", 128 otherwise). splits: column
@@ -281,10 +286,15 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   cols = nt // splits * tn
 
   if iterate_precision is None or iterate_precision in GPU_ITERATE:
-    # a name sets the bf16 iteration (tf32: DEFAULT in Triton, float32 in interpret mode);
-    # float32 inputs iterate at HIGHEST
-    iterate_precision = _HI if exact else GPU_ITERATE[iterate_precision or "tf32"]
-  dot = lambda u, v: jnp.matmul(u, v, precision=iterate_precision, preferred_element_type=_F32)
+    # a name sets the bf16 iteration; float32 inputs iterate at HIGHEST
+    iterate_precision = _HI if exact else GPU_ITERATE[iterate_precision or "fp16"]
+  if isinstance(iterate_precision, type):  # an operand dtype (fp16), float32 accumulation
+    operand = iterate_precision
+    dot = lambda u, v: jnp.matmul(u.astype(operand), v.astype(operand),
+                                  preferred_element_type=_F32)
+  else:
+    dot = lambda u, v: jnp.matmul(u, v, precision=iterate_precision,
+                                  preferred_element_type=_F32)
   poly = functools.partial(gram_matrix_polynomial, steps=steps, coeffs=coeffs, eps=eps, dot=dot)
   iterate_params = pltriton.CompilerParams(num_warps=iterate_warps, num_stages=num_stages)
 
