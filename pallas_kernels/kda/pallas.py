@@ -170,8 +170,10 @@ def prep_xla(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
   C = cfg.chunk
   N = Tp // C
   chunks = lambda x: x.reshape(*x.shape[:-2], N, C, x.shape[-1])
+  # float32 products as in the kernels (3-pass TF32 on GPU: its vjp 4.69 ms against 5.89 at
+  # HIGHEST, same gradients to 2 digits; H200, (8, 4096, 16, 128), chunk 16)
   fn = functools.partial(tile.chunk_prep, scale=cfg.scale, sub=cfg.sub, mm_dtype=cfg.mm,
-                         precision=lax.Precision.HIGHEST, in_kernel=False)
+                         precision=cfg.precision, in_kernel=False)
   per_token, shared = 0, None
   fn = jax.vmap(fn)  # chunks
   fn = jax.vmap(fn, in_axes=(per_token,) * 5 + (shared,) * 4)  # heads
