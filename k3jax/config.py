@@ -50,6 +50,12 @@ def base_config() -> ml_collections.ConfigDict:
   a.qk_nope_dim = 128
   a.qk_rope_dim = 64     # NoPE: the "rope" slot is never rotated; one key shared by all heads
   a.v_head_dim = 128
+  # pallas_kernels.attention backend: "dense" ([B, H, T, T] fp32 scores), "flash" (the
+  # platform's Pallas kernel; interpret mode on CPU) or "auto" (flash on TPU, dense
+  # elsewhere). Dense by default: splash's Mosaic compile makes a micro model's TPU train
+  # step compile take over 14 CPU-minutes here, and the GPU kernel is not yet measured in a
+  # train step; long sequences (k3_full's long-context variant) need "auto" / "flash".
+  a.attention = "dense"
 
   f = m.ffn = ml_collections.ConfigDict()
   f.hidden_dim = 33_792  # dense FFN of the first `dense_layers` layers
@@ -102,6 +108,7 @@ def base_config() -> ml_collections.ConfigDict:
   v.max_media = 64       # images / videos in one packed buffer (one batch row)
   v.projector_hidden = 0  # 0: RMSNorm + Dense merge**2 * width -> d_model; > 0: an MLP this wide
   v.placeholder_id = 163_605  # the text token the image features replace (Kimi's media placeholder)
+  v.attention = "dense"  # pallas_kernels.attention backend, as model.mla.attention
 
   t = c.train = ml_collections.ConfigDict()
   t.seq_len = 4_096
@@ -235,6 +242,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"{a.q_lora_rank} is wider than d_model={m.d_model}")
   _check(a.kv_lora_rank <= m.d_model, "model.mla.kv_lora_rank",
          f"{a.kv_lora_rank} is wider than d_model={m.d_model}")
+  from pallas_kernels.attention import BACKENDS as ATTENTION_BACKENDS  # noqa: PLC0415
+  for field in ("mla", "vision"):
+    _check(m[field].attention in ATTENTION_BACKENDS, f"model.{field}.attention",
+           f"unknown backend {m[field].attention!r} (known: {', '.join(ATTENTION_BACKENDS)})")
   _check(m.ffn.activation in ("situ_glu", "swiglu"), "model.ffn.activation",
          f"must be 'situ_glu' or 'swiglu', got {m.ffn.activation!r}")
   e = m.moe

@@ -20,50 +20,31 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.model import axes
 from k3jax.model.axes import constrain
 from k3jax.model.layers import Dense, RMSNorm
+from pallas_kernels import attention as attention_ops
+from pallas_kernels.attention import attention_mask  # noqa: F401  (re-exported: the mask)
 
 BTE = ("batch", "seq", "embed")
 BTHD = ("batch", "seq", "heads", "head_dim")
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-  """Causal + document mask [B, T, T] (query t, key s) from segment ids [B, T].
-
-  A token sees keys at s <= t of its own segment. Segment 0 is padding: a padding
-  token sees only itself, so every row has at least one key and no softmax is empty.
-  """
-  t = segment_ids.shape[-1]
-  pos = jnp.arange(t)
-  causal = pos[None, :] <= pos[:, None]                                  # [T, T]
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]              # [B, T, T]
-  real = (segment_ids != 0)[:, :, None]                                  # [B, T, 1]
-  diag = pos[None, :] == pos[:, None]
-  return causal[None] & same & (real | diag[None])
-
-
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-              scale: float) -> tuple[jax.Array, jax.Array]:
-  """Plain masked softmax attention with a causal + document mask.
+              scale: float, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """Causal + document-masked attention through `pallas_kernels.attention` (`backend`:
+  model.mla.attention); under the mesh of `axes.use_rules` the kernels run per device.
 
   q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk] (1 = one key shared by all heads);
-  v: [B, T, H, Dv]; segment_ids: [B, T] int (0 = padding). Scores and softmax in fp32.
-  Returns the output [B, T, H, Dv] in v's dtype and, for QK-Clip, each head's largest
-  pre-softmax logit over the real (non-padding) queries and the keys they see: [H] fp32,
-  without gradient. It reuses the softmax's row maxima, so it costs one small reduction.
+  v: [B, T, H, Dv]; segment_ids: [B, T] int (0 = padding, sees only itself). Returns the
+  output [B, T, H, Dv] in v's dtype and, for QK-Clip, each head's largest pre-softmax
+  logit over the real (non-padding) queries and the keys they see: [H] fp32, no gradient.
   """
-  scores = jnp.einsum("bthd,bshd->bhts", q, k.astype(q.dtype),
-                      preferred_element_type=jnp.float32) * scale       # [B, H, T, T]
-  mask = attention_mask(segment_ids)[:, None]                            # [B, 1, T, T]
-  scores = jnp.where(mask, scores, -jnp.inf)
-  row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))  # [B, H, T, 1]
-  p = jnp.exp(scores - row_max)
-  p = p / jnp.sum(p, axis=-1, keepdims=True)
-  out = jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  real = (segment_ids != 0)[:, None, :]                                  # [B, 1, T]
-  logit_max = jnp.max(jnp.where(real, row_max[..., 0], -jnp.inf), axis=(0, 2))
-  return out.astype(v.dtype), logit_max
+  spec = axes.logical_to_spec(BTHD)   # where q/k/v live, for the kernels' shard_map
+  return attention_ops.attention(q, k, v, segment_ids, scale=scale, causal=True,
+                                 backend=backend, return_max_logit=True,
+                                 mesh=axes.current_mesh(), batch_axis=spec[0],
+                                 head_axis=spec[2])
 
 
 class MLA(nnx.Module):
@@ -77,6 +58,7 @@ class MLA(nnx.Module):
     self.num_heads, self.nope, self.rope, self.v_dim = h, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim
     self.kv_lora = a.kv_lora_rank
     self.scale = (a.qk_nope_dim + a.qk_rope_dim) ** -0.5
+    self.backend = a.attention
     self.dtype = dtype
     dense = dict(rngs=rngs, dtype=dtype, param_dtype=pdtype)
     self.wq_a = Dense(d, a.q_lora_rank, ("embed", "q_lora"), **dense)
@@ -107,7 +89,7 @@ class MLA(nnx.Module):
   def heads(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Gated per-head outputs before W_o [B, T, H, v], and the max logit per head [H]."""
     q, k, v = self.project(x)
-    o, logit_max = attention(q, k, v, segment_ids, self.scale)
+    o, logit_max = attention(q, k, v, segment_ids, self.scale, self.backend)
     o = constrain(o, BTHD)
     gate = jax.nn.sigmoid(self.w_g(x).astype(jnp.float32))
     return constrain((o.astype(jnp.float32) * gate).astype(self.dtype), BTHD), logit_max

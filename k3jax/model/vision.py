@@ -32,11 +32,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.model import layers
+from k3jax.model import axes, layers
 from k3jax.model.axes import constrain
 from k3jax.model.layers import Dense, RMSNorm
 from k3jax.model.vision_pos import (PackedMedia, grid_embedding, line_embedding,
                                     sincos_embedding)
+from pallas_kernels import attention as attention_ops
 
 # The packed patch axis shards like a batch axis: patches are independent rows everywhere
 # except inside attention.
@@ -45,17 +46,20 @@ NHD = ("batch", "heads", "head_dim")
 
 
 def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                      scale: float) -> jax.Array:
-  """Bidirectional attention confined to segments. q, k: [N, H, Dk]; v: [N, H, Dv];
-  segment_ids [N] int (0 = padding: a padding patch sees only itself). -> [N, H, Dv] in
-  v's dtype; scores and softmax in fp32."""
-  scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) * scale
-  same = segment_ids[:, None] == segment_ids[None, :]
-  diag = jnp.eye(segment_ids.shape[0], dtype=bool)
-  mask = same & ((segment_ids != 0)[:, None] | diag)                    # [N, N]
-  p = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
-  out = jnp.einsum("hts,shd->thd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return out.astype(v.dtype)
+                      scale: float, backend: str = "auto") -> jax.Array:
+  """Bidirectional attention confined to segments, through `pallas_kernels.attention`
+  (`backend`: model.vision.attention). q, k: [N, H, Dk]; v: [N, H, Dv]; segment_ids [N] int
+  (0 = padding: a padding patch sees only itself). -> [N, H, Dv] in v's dtype.
+
+  Under the mesh of `axes.use_rules` the kernels run per device: the patch axis is
+  sharded like a batch axis (NHD), so each device takes its share of the query patches
+  and every key and value of the buffer.
+  """
+  spec = axes.logical_to_spec(NHD)
+  out = attention_ops.attention(q[None], k[None], v[None], segment_ids[None], scale=scale,
+                                causal=False, backend=backend, mesh=axes.current_mesh(),
+                                seq_axis=spec[0], head_axis=spec[1])
+  return out[0]
 
 
 class VisionBlock(nnx.Module):
@@ -64,6 +68,7 @@ class VisionBlock(nnx.Module):
   def __init__(self, v, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
     shape, dense = (v.num_heads, v.head_dim), dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     self.scale = v.head_dim ** -0.5
+    self.backend = v.attention
     self.attn_norm = RMSNorm(v.width, eps=eps, param_dtype=param_dtype, rngs=rngs)
     self.wq = Dense(v.width, shape, ("embed", "heads", "head_dim"), muon="per_head", **dense)
     self.wk = Dense(v.width, shape, ("embed", "heads", "head_dim"), muon="per_head", **dense)
@@ -77,7 +82,7 @@ class VisionBlock(nnx.Module):
   def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
     h = self.attn_norm(x)
     q, k, v = (constrain(w(h), NHD) for w in (self.wq, self.wk, self.wv))
-    o = constrain(segment_attention(q, k, v, segment_ids, self.scale), NHD)
+    o = constrain(segment_attention(q, k, v, segment_ids, self.scale, self.backend), NHD)
     x = constrain(x + self.wo(o), NE)
     u = constrain(self.w1(self.mlp_norm(x)), ("batch", "mlp"))
     u = jax.nn.gelu(u.astype(jnp.float32), approximate=True).astype(self.dtype)

@@ -1,0 +1,140 @@
+"""Memory-efficient attention through JAX's own Pallas library kernels, plus the QK-Clip
+max logit computed tile by tile. Nothing here materializes [T, T] scores.
+
+  TPU: splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`): causal or
+       full mask, q and kv segment ids, Dv != Dqk, any head dim, custom VJP with segment
+       ids in both backward kernels. Also run in Pallas interpret mode (CPU tests).
+  GPU: `jax.experimental.pallas.ops.gpu.attention.mha` (Triton): causal, one segment-id
+       array shared by queries and keys, custom VJP with segment ids. It needs
+       Dqk == Dv (v is zero-padded to Dqk; its head dim is padded to a power of two inside,
+       192 -> 256) and T a multiple of its blocks.
+
+Both kernels take the segment mask only (`q_id == kv_id`); the callers pass ids from
+`unique_padding_ids`, which give every padding token an id of its own, so a padding token
+sees only itself, exactly the dense reference's rule, and no row is ever empty. Rows added
+to reach a block multiple get ids of their own too and are sliced off.
+
+Neither kernel returns the softmax's row maxima (splash writes only the log-sum-exp; the
+Triton kernel's log-sum-exp residual cannot be returned under differentiation, and
+log-sum-exp is not the max anyway: it exceeds it by up to log T). `max_logit` therefore
+recomputes q k^T tile by tile, without gradient (see its docstring for the cost).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+LANES = 128         # splash blocks are multiples of the TPU lane width
+TPU_BLOCK = 512     # splash q / kv block (MaxText's default) where T allows
+GPU_BLOCK_BYTES = 128  # Triton forward q / kv block = this / itemsize (bf16: 64, fp32: 32): the
+                       # q tile and two stages of k, v tiles [block, 256] fit H200 shared memory
+GPU_BWD_BLOCK = 32  # Triton backward blocks (the library default)
+MAX_LOGIT_BLOCK = 512
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def unique_padding_ids(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] ids with each padding token (id 0) replaced by -1 - its position: the
+  kernels' plain `q_id == kv_id` mask then lets it see only itself. Real ids must be > 0."""
+  pos = jnp.arange(segment_ids.shape[-1], dtype=segment_ids.dtype)
+  return jnp.where(segment_ids == 0, -1 - pos, segment_ids)
+
+
+def _pad_rows(x: jax.Array, t: int) -> jax.Array:
+  """x [B, T0, ...] zero-padded to [B, t, ...]."""
+  return jnp.pad(x, [(0, 0), (0, t - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _pad_ids(ids: jax.Array, t: int, start: int) -> jax.Array:
+  """ids [B, T0] extended to [B, t]; the new rows get ids -1 - (start + j), below every id
+  `unique_padding_ids` gives a sequence of `start` tokens, so they see only themselves."""
+  extra = -1 - (start + jnp.arange(t - ids.shape[1], dtype=ids.dtype))
+  return jnp.concatenate([ids, jnp.broadcast_to(extra, (ids.shape[0], extra.shape[0]))], 1)
+
+
+def flash_tpu(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array,
+              *, scale: float, causal: bool, interpret: bool = False,
+              block: int = TPU_BLOCK) -> jax.Array:
+  """Splash attention. q: [B, Tq, H, Dqk]; k: [B, Tk, H, Dqk]; v: [B, Tk, H, Dv];
+  q_ids [B, Tq], kv_ids [B, Tk] (from `unique_padding_ids`; causal needs Tq == Tk).
+  -> [B, Tq, H, Dv] in v's dtype. interpret: Pallas interpret mode (any platform).
+  block: the largest q / kv block (a multiple of 128; T is padded to a block multiple)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415
+  b, tq, h, _ = q.shape
+  tk = k.shape[1]
+  bq, bkv = (min(block, _round_up(n, LANES)) for n in (tq, tk))
+  tq_p, tk_p = _round_up(tq, bq), _round_up(tk, bkv)
+  mask = splash.CausalMask((tq_p, tk_p)) if causal else splash.FullMask((tq_p, tk_p))
+  blocks = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
+                             block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
+                             block_q_dq=bq, block_kv_dq=bkv)
+  kernel = splash.make_splash_mha(splash.MultiHeadMask([mask] * h), block_sizes=blocks,
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+  heads_major = lambda x, t: jnp.swapaxes(_pad_rows(x, t), 1, 2)        # noqa: E731
+  ids = splash.SegmentIds(q=_pad_ids(q_ids, tq_p, tk), kv=_pad_ids(kv_ids, tk_p, tk))
+  # splash has no softmax scale: it goes into q
+  out = jax.vmap(kernel)(heads_major(q * jnp.asarray(scale, q.dtype), tq_p),
+                         heads_major(k.astype(q.dtype), tk_p),
+                         heads_major(v.astype(q.dtype), tk_p), ids)     # [B, H, Tq_p, Dv]
+  return jnp.swapaxes(out, 1, 2)[:, :tq].astype(v.dtype)
+
+
+def flash_gpu(q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *, scale: float,
+              causal: bool, interpret: bool = False) -> jax.Array:
+  """Triton attention (`mha`). q, k: [B, T, H, Dqk]; v: [B, T, H, Dv]; ids [B, T] (from
+  `unique_padding_ids`, for queries and keys alike). -> [B, T, H, Dv] in v's dtype."""
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # noqa: PLC0415
+  t, dv = q.shape[1], v.shape[-1]
+  d = max(q.shape[-1], dv)
+  block = GPU_BLOCK_BYTES // jnp.dtype(q.dtype).itemsize
+  t_p = _round_up(t, block)
+  pad = lambda x: jnp.pad(_pad_rows(x, t_p).astype(q.dtype),           # noqa: E731
+                          [(0, 0)] * 3 + [(0, d - x.shape[-1])])       # zero dims add nothing
+  blocks = gpu_attention.BlockSizes(block_q=block, block_k=block,
+                                    block_q_dkv=GPU_BWD_BLOCK, block_kv_dkv=GPU_BWD_BLOCK,
+                                    block_q_dq=GPU_BWD_BLOCK, block_kv_dq=GPU_BWD_BLOCK)
+  out = gpu_attention.mha(pad(q), pad(k), pad(v), _pad_ids(ids, t_p, t), sm_scale=scale,
+                          causal=causal, block_sizes=blocks, interpret=interpret)
+  return out[:, :t, :, :dv].astype(v.dtype)
+
+
+def max_logit(q: jax.Array, k: jax.Array, segment_ids: jax.Array, *, scale: float,
+              causal: bool, block: int = MAX_LOGIT_BLOCK) -> jax.Array:
+  """Each head's largest pre-softmax logit over the real (segment != 0) queries and the
+  keys they see, as the dense reference returns it: [H] fp32, no gradient.
+
+  q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk]; segment_ids [B, T] (0 = padding). Loops over
+  [block, block] tiles (skipping those above the diagonal when causal); live memory is one
+  fp32 tile [B, H, block, block]. Cost: the q k^T product once more, B H T^2 Dqk FLOPs
+  causal (2 B H T^2 Dqk not), i.e. the forward kernel's first matmul again; for K3's MLA
+  (Dqk 192, Dv 128) ~60% of the flash forward, ~17% of forward + backward.
+  """
+  q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k.astype(q.dtype))
+  b, t, h, d = q.shape
+  bs = min(block, t)
+  n = -(-t // bs)
+  tiles = lambda x: _pad_rows(x, n * bs).reshape(b, n, bs, *x.shape[2:])  # noqa: E731
+  qt, kt, st = tiles(q), tiles(k), tiles(segment_ids)   # padded rows get id 0: skipped
+  pos = jnp.arange(bs)
+
+  def tile_max(i, j, m):
+    qi, kj = (jax.lax.dynamic_index_in_dim(x, i_, 1, keepdims=False)
+              for x, i_ in ((qt, i), (kt, j)))
+    si, sj = (jax.lax.dynamic_index_in_dim(st, i_, 1, keepdims=False) for i_ in (i, j))
+    s = jnp.einsum("bthd,bshd->bhts", qi, kj, preferred_element_type=jnp.float32) * scale
+    see = (si[:, :, None] == sj[:, None, :]) & (si != 0)[:, :, None]    # [B, bs, bs]
+    if causal:
+      see &= (i * bs + pos)[:, None] >= (j * bs + pos)[None, :]
+    return jnp.maximum(m, jnp.max(jnp.where(see[:, None], s, -jnp.inf), axis=(0, 2, 3)))
+
+  def row(i, m):
+    return jax.lax.fori_loop(0, i + 1 if causal else n, functools.partial(tile_max, i), m)
+
+  return jax.lax.fori_loop(0, n, row, jnp.full((h,), -jnp.inf, jnp.float32))
+

@@ -1,0 +1,236 @@
+"""pallas_kernels.attention: the flash backends (Pallas interpret mode on CPU) against the
+dense reference -- outputs, every gradient and the QK-Clip max logit -- with packed
+segments, padding, a shared key, Dqk != Dv and T off the block; what "auto" lowers to per
+platform; the kernels under shard_map (CPU mesh, TPU AOT); the config fields."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_model
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from k3jax import config as k3config
+from k3jax.model.mla import MLA
+from pallas_kernels.attention import (attention, attention_reference, flash_gpu, flash_tpu,
+                                      max_logit, unique_padding_ids)
+
+RTOL, ATOL = 1e-5, 2e-5   # fp32: flash and dense differ only in summation order
+
+
+def randn(seed, *shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
+def packed_ids(b, t):
+  """[b, t] ids: row 0 three documents with inner and trailing padding, row 1 one document
+  then padding, row 2 (if any) all padding."""
+  ids = np.zeros((b, t), np.int32)
+  ids[0, :t // 4], ids[0, t // 4:t // 2], ids[0, t // 2 + 5:t - 9] = 1, 2, 7
+  ids[1, :t - 30] = 3
+  return jnp.asarray(ids)
+
+
+def check_close(got, want):
+  got, want = np.asarray(got), np.asarray(want)
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def value_and_grads(fn, q, k, v, seed=9):
+  """fn(q, k, v) -> out; returns out and d(sum(out * w))/d(q, k, v) for a fixed random w."""
+  def loss(q, k, v):
+    out = fn(q, k, v)
+    return jnp.sum(out * randn(seed, *out.shape)), out
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  return out, grads
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_matches_dense(causal):
+  """MLA's shape (causal): one key shared by all heads, Dqk 192 vs Dv 128, T = 200 (the
+  kernel pads to 256); the vision tower's (non-causal). Every row matches, padding ones
+  too (each padding token sees only itself in both), and so do all gradients."""
+  b, t, h, dqk, dv = 3, 200, 2, 192 if causal else 64, 128 if causal else 64
+  q, k, v = randn(1, b, t, h, dqk), randn(2, b, t, 1 if causal else h, dqk), randn(3, b, t, h, dv)
+  ids, scale = packed_ids(b, t), dqk ** -0.5
+  run = lambda backend: value_and_grads(  # noqa: E731
+      lambda q, k, v: attention(q, k, v, ids, scale=scale, causal=causal, backend=backend),
+      q, k, v)
+  (out, grads), (ref, ref_grads) = run("flash"), run("dense")
+  assert out.shape == (b, t, h, dv) and grads[1].shape == k.shape
+  check_close(out, ref)
+  for g, r in zip(grads, ref_grads):
+    check_close(g, r)
+  assert np.abs(np.asarray(grads[1])).max() > 1e-2   # the shared key gets a gradient
+
+
+def test_splash_several_blocks():
+  """Splash itself with 128-blocks over T = 300 (3 q x 3 kv blocks, causal across them)."""
+  b, t, h, d = 2, 300, 2, 64
+  q, k, v = randn(4, b, t, h, d), randn(5, b, t, h, d), randn(6, b, t, h, d)
+  ids = packed_ids(b, t)
+  kernel = functools.partial(flash_tpu, scale=0.3, causal=True, interpret=True, block=128)
+  out, grads = value_and_grads(
+      lambda q, k, v: kernel(q, k, v, unique_padding_ids(ids), unique_padding_ids(ids)), q, k, v)
+  ref, ref_grads = value_and_grads(
+      lambda q, k, v: attention_reference(q, k, v, ids, scale=0.3, causal=True)[0], q, k, v)
+  check_close(out, ref)
+  for g, r in zip(grads, ref_grads):
+    check_close(g, r)
+
+
+def test_triton_kernel_interpreted():
+  """The GPU path (Triton `mha` in interpret mode): v zero-padded to Dqk = 48 (the kernel
+  pads 48 -> 64 inside), T = 100 off its block, padding ids, gradients with segment ids."""
+  b, t, h, dqk, dv = 2, 100, 2, 48, 32
+  q, k, v = randn(7, b, t, h, dqk), randn(8, b, t, h, dqk), randn(9, b, t, h, dv)
+  ids = packed_ids(b, t)
+  out, grads = value_and_grads(
+      lambda q, k, v: flash_gpu(q, k, v, unique_padding_ids(ids), scale=0.3, causal=True,
+                                interpret=True), q, k, v)
+  ref, ref_grads = value_and_grads(
+      lambda q, k, v: attention_reference(q, k, v, ids, scale=0.3, causal=True)[0], q, k, v)
+  check_close(out, ref)
+  for g, r in zip(grads, ref_grads):
+    check_close(g, r)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_max_logit_equals_dense(causal):
+  """Tile by tile (64-tiles over T = 200: diagonal, skipped and partial tiles) = the dense
+  softmax's row maxima over real queries; an all-padding row adds nothing; no gradient.
+  (The dispatcher's flash path returns it: test_model_reads_config_field.)"""
+  b, t, h, d = 3, 200, 4, 24
+  q, k = randn(10, b, t, h, d) * 3, randn(11, b, t, 1, d)
+  ids = packed_ids(b, t)
+  want = attention_reference(q, k, randn(12, b, t, h, 8), ids, scale=0.5, causal=causal)[1]
+  tiled = jax.jit(functools.partial(max_logit, scale=0.5, causal=causal, block=64))
+  np.testing.assert_allclose(np.asarray(tiled(q, k, ids)), np.asarray(want), rtol=1e-6)
+  assert np.all(np.asarray(tiled(q, k, jnp.zeros_like(ids))) == -np.inf)
+  g = jax.jit(jax.grad(lambda q: jnp.sum(tiled(q, k, ids))))(q)
+  assert not np.asarray(g).any()
+
+
+def _loss_fn(backend, causal=True, **kw):
+  def loss(q, k, v, ids):
+    out = attention(q, k, v, ids, scale=0.1, causal=causal, backend=backend, **kw)
+    return jnp.sum(out.astype(jnp.float32))
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+SPECS = (jax.ShapeDtypeStruct((2, 256, 4, 192), jnp.bfloat16),
+         jax.ShapeDtypeStruct((2, 256, 1, 192), jnp.bfloat16),
+         jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16),
+         jax.ShapeDtypeStruct((2, 256), jnp.int32))
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash", "dense"])
+def test_auto_lowering_per_platform(backend):
+  """"auto" is decided when lowering: splash's Mosaic call for TPU, no kernel for CUDA
+  (dense until a GPU train step measures the Triton path) nor on CPU (where it is the dense
+  reference, exactly); "flash" takes the Triton call on CUDA; "dense" never a kernel."""
+  traced = jax.jit(_loss_fn(backend)).trace(*SPECS)
+  tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
+  cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert ("tpu_custom_call" in tpu) == (backend != "dense")
+  assert ("__gpu$xla.gpu.triton" in cuda) == (backend == "flash")
+  if backend != "flash":  # (forced flash interprets splash on CPU)
+    assert "tpu_custom_call" not in cpu and "triton" not in cpu
+  if backend == "auto":
+    q, k, v = randn(13, 2, 40, 3, 16), randn(14, 2, 40, 1, 16), randn(15, 2, 40, 3, 8)
+    ids = packed_ids(2, 40)
+    fn = lambda be: jax.jit(lambda *a: attention(*a, ids, scale=0.1, causal=True,  # noqa: E731
+                                                 backend=be, return_max_logit=True))(q, k, v)
+    for got, want in zip(fn("auto"), fn("dense")):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_sharded_on_cpu_mesh():
+  """Under shard_map on the 8 simulated CPU devices (interpret mode): MLA's layout (batch
+  over data, heads over tensor) and the vision tower's (query rows over data, vmapped over
+  buffers) give the dense result."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+  b, t, h, d = 2, 64, 2, 16
+  q, k, v = randn(16, b, t, h, d), randn(17, b, t, h, d), randn(18, b, t, h, d)
+  ids = jnp.asarray(np.r_[np.ones(40), np.zeros(24)].astype(np.int32)[None].repeat(2, 0))
+  run = lambda be, **kw: jax.jit(lambda q, k, v: attention(  # noqa: E731
+      q, k, v, ids, scale=0.2, backend=be, **kw))(q, k, v)
+  check_close(run("flash", causal=True, mesh=mesh, batch_axis="data", head_axis="tensor"),
+              run("dense", causal=True))
+
+  def vision(q, k, v, ids):   # one buffer [N, H, D], as in VisionBlock
+    return attention(q[None], k[None], v[None], ids[None], scale=0.2, causal=False,
+                     backend="flash", mesh=mesh, seq_axis="data", head_axis="tensor")[0]
+  got = jax.jit(jax.vmap(vision))(q, k, v, ids)
+  check_close(got, run("dense", causal=False))
+
+
+def test_tpu_aot_sharded_flash_fits():
+  """The flash path's gradient compiled for a v5p 2x2x1 under shard_map (batch over data,
+  heads over tensor): libtpu compiles splash's Mosaic kernels, and the temporaries stay far
+  below one [B, H, T, T] fp32 score tensor per device (what dense would hold)."""
+  from tpu_aot import tpu_mesh  # noqa: PLC0415
+  mesh = tpu_mesh(("data", "tensor"), (2, 2))
+  b, t, h = 2, 2048, 4
+  shard = lambda shape, spec, dt=jnp.bfloat16: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dt, sharding=NamedSharding(mesh, spec))
+  args = (shard((b, t, h, 192), P("data", None, "tensor")), shard((b, t, 1, 192), P("data")),
+          shard((b, t, h, 128), P("data", None, "tensor")), shard((b, t), P("data"), jnp.int32))
+  grad = _loss_fn("auto", mesh=mesh, batch_axis="data", head_axis="tensor",
+                  return_max_logit=False)
+  lowered = jax.jit(grad).lower(*args)
+  assert "tpu_custom_call" in lowered.as_text()
+  stats = lowered.compile().memory_analysis()
+  scores = (b // 2) * (h // 2) * t * t * 4
+  assert 0 < stats.temp_size_in_bytes < scores / 4
+
+
+def test_model_reads_config_field():
+  """model.mla.attention picks the backend: a small MLA gives the same output and max
+  logit through "flash" (interpret) as through "dense"."""
+  from test_mla import SEG, inputs, small_model_cfg  # noqa: PLC0415
+  outs = []
+  for backend in ("flash", "dense"):
+    cfg = small_model_cfg()
+    cfg.mla.attention = backend
+    mla = random_model(cfg, model_cls=MLA)
+    assert mla.backend == backend
+    from flax import nnx  # noqa: PLC0415
+    y, aux = nnx.jit(lambda m, x, s: m(x, s))(mla, inputs(), jnp.asarray(SEG))
+    outs.append((y, aux["logit_max"]))
+  check_close(outs[0][0], outs[1][0])
+  np.testing.assert_allclose(np.asarray(outs[0][1]), np.asarray(outs[1][1]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("field", ["mla", "vision"])
+def test_config_rejects_unknown_backend(field):
+  cfg = k3config.base_config()
+  cfg.model[field].attention = "splash"
+  with pytest.raises(k3config.ConfigError, match=f"model.{field}.attention"):
+    k3config.validate(cfg)
+
+
+def test_tpu_aot_vision_layout():
+  """The vision tower's layout compiled for TPU: per buffer (vmapped over rows) the query
+  patches split over data, all keys and values of the buffer on every device, non-causal."""
+  from tpu_aot import tpu_mesh  # noqa: PLC0415
+  mesh = tpu_mesh(("data", "tensor"), (2, 2))
+  rows, n, h, d = 2, 1024, 4, 128
+  tok = jax.ShapeDtypeStruct((rows, n, h, d), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(None, "data", "tensor")))
+  ids = jax.ShapeDtypeStruct((rows, n), jnp.int32, sharding=NamedSharding(mesh, P(None, "data")))
+
+  def loss(q, k, v, ids):
+    def one(q, k, v, ids):
+      return attention(q[None], k[None], v[None], ids[None], scale=0.1, causal=False,
+                       mesh=mesh, seq_axis="data", head_axis="tensor")[0]
+    return jnp.sum(jax.vmap(one)(q, k, v, ids).astype(jnp.float32))
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(tok, tok, tok, ids)
+  assert "tpu_custom_call" in lowered.as_text()
+  assert lowered.compile().memory_analysis().temp_size_in_bytes < rows * (h // 2) * n * n * 4
