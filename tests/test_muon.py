@@ -198,6 +198,38 @@ def test_sharded_heads_are_orthogonalized_in_place(backend):
   assert _rel(sharded["q"], plain["q"]) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_fsdp_split_blocks_are_orthogonalized_once(backend):
+  """An expert stack [experts, in, out] sharded over expert=2 and, inside each block, over
+  fsdp=4 (fan-in): the compiled update regroups whole blocks by all-to-all, so that each
+  device orthogonalizes 1/4 of its experts' blocks (the 2 local ones padded to 4) instead
+  of gathering and orthogonalizing all of them; no all-gather; equal to the unsharded
+  update."""
+  x = np.random.default_rng(4).standard_normal((4, 16, 12)).astype(np.float32)
+  meta = nnx.State({"w": nnx.Param(jnp.asarray(x), out_sharding=("experts", "embed", "mlp"),
+                                   eager_sharding=False, muon="matrix",
+                                   muon_roles=("expert", "in", "out"))})
+  mesh = jax.make_mesh((4, 2), ("fsdp", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  where = NamedSharding(mesh, P("expert", "fsdp", None))
+  cfg = _cfg()
+  cfg.optimizer.muon.ns_backend = backend
+  tx, _ = make_optimizer(cfg, meta, mesh=mesh, param_specs=nnx.State({"w": where.spec}))
+  params = nnx.as_pure(meta)
+  grads = jax.tree.map(lambda p: 0.5 * p + 1.0, params)
+  put = lambda t: jax.tree.map(lambda a: jax.device_put(a, where), t)
+  update = lambda g, s, p: tx.update(g, s, p)[0]
+  state = jax.jit(tx.init)(params)
+  state = jax.tree.map(lambda a: jax.device_put(a, where) if a.ndim == 3 else a, state)
+  compiled = jax.jit(update).lower(put(grads), state, put(params)).compile()
+  hlo = compiled.as_text()
+  assert "all-gather" not in hlo and "all-to-all" in hlo
+  sharded = compiled(put(grads), state, put(params))
+  plain_tx, _ = make_optimizer(_cfg(), meta)
+  plain = jax.jit(lambda g, s, p: plain_tx.update(g, s, p)[0])(grads, plain_tx.init(params),
+                                                                params)
+  assert _rel(sharded["w"], plain["w"]) < 1e-5
+
+
 def test_muon_needs_the_parameter_metadata():
   with pytest.raises(ValueError, match="metadata"):
     make_optimizer(_cfg())

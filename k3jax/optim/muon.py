@@ -62,11 +62,18 @@ class BlockLayout:
     return jnp.transpose(y.reshape(permuted), _inverse(self.perm))
 
   def block_spec(self, spec: PartitionSpec) -> PartitionSpec:
-    """The sharding of the blocks of a parameter sharded as `spec`: batch axes keep their
-    mesh axes (each device orthogonalizes the blocks it holds); fan-in and fan-out are
-    whole (a block sharded inside, e.g. by FSDP, is gathered for its Newton-Schulz)."""
+    """The sharding of the blocks [*batch, fan_in, fan_out] of a parameter sharded as
+    `spec`: batch axes keep their mesh axes; a fan dim keeps the mesh axes of its leading
+    parameter axis when its other axes are whole (else it is gathered whole)."""
     spec = tuple(spec) + (None,) * (len(self.shape) - len(spec))
-    return PartitionSpec(*(spec[a] for a in self.perm[:len(self.batch)]), None, None)
+    nb = len(self.batch)
+    ins, outs, size = [], list(self.perm[nb:]), 1
+    while size < self.fan_in:  # the in-axes lead the fan axes in perm
+      ins.append(outs.pop(0))
+      size *= self.shape[ins[-1]]
+    merged = [spec[f[0]] if f and all(spec[a] is None for a in f[1:]) else None
+              for f in (ins, outs)]
+    return PartitionSpec(*(spec[a] for a in self.perm[:nb]), *merged)
 
 
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
@@ -137,21 +144,47 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
   layouts: a pytree with a BlockLayout for every leaf this transformation sees (a prefix
   of the update tree is not allowed; MaskedNode leaves of `optax.partition` are skipped).
   mesh, specs: where the parameters live (specs: a PartitionSpec per leaf, like layouts).
-    Newton-Schulz then runs under `shard_map` on each device's own blocks, which a Pallas
-    kernel (one opaque call, not partitionable by XLA) needs to stay sharded.
+    Newton-Schulz then runs under `shard_map` (a Pallas kernel, one opaque call, is not
+    partitioned by XLA): blocks split along their batch axes (heads, experts, layers) are
+    orthogonalized where they live; blocks split inside (FSDP over a fan dim, G ways) are
+    regrouped by an all-to-all so that each device orthogonalizes whole blocks, 1/G of its
+    group's, and sent back the same way.
   The result is the update before learning rate and weight decay.
   """
   def init(params):
     return MuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
+  ns = functools.partial(newton_schulz, steps=ns_steps, coeffs=ns_coeffs, eps=eps,
+                         backend=ns_backend, gpu_iterate=ns_gpu_iterate)
+
   def orthogonalize(blocks, spec):
-    ns = functools.partial(newton_schulz, steps=ns_steps, coeffs=ns_coeffs, eps=eps,
-                           backend=ns_backend, gpu_iterate=ns_gpu_iterate)
+    """blocks [*batch, fan_in, fan_out] sharded as spec (`BlockLayout.block_spec`)."""
     if mesh is None or spec is None:
       return ns(blocks)
-    # Replicated blocks too: a Pallas kernel inside a partitioned program must sit in a
-    # shard_map (each device then orthogonalizes its full copy, as XLA would).
-    return jax.shard_map(ns, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(blocks)
+    fan_axes = [_mesh_axes(e) for e in spec[-2:]]
+    ways = [math.prod(mesh.shape[a] for a in axes) for axes in fan_axes]
+
+    def local(x):  # this device's blocks, each a [fan_in / ways_in, fan_out / ways_out] piece
+      # Whole blocks for 1/G of them per device (G = ways_in x ways_out): an all-to-all over
+      # the axes that split the fan dims, instead of every device gathering and
+      # orthogonalizing all of them (an FSDP-sharded expert stack: G x the work and memory)
+      lead = x.shape[:-2]
+      n = math.prod(lead)
+      x = x.reshape(n, *x.shape[-2:])
+      x = jnp.pad(x, ((0, -n % (ways[0] * ways[1])), (0, 0), (0, 0)))
+      for dim, axes in ((1, fan_axes[0]), (2, fan_axes[1])):
+        if axes:
+          x = jax.lax.all_to_all(x, axes, 0, dim, tiled=True)
+      y = ns(x)
+      for dim, axes in ((2, fan_axes[1]), (1, fan_axes[0])):
+        if axes:
+          y = jax.lax.all_to_all(y, axes, dim, 0, tiled=True)
+      return y[:n].reshape(*lead, *y.shape[-2:])
+
+    # Under shard_map also when nothing is sharded: a Pallas kernel inside a partitioned
+    # program must sit in one (each device then orthogonalizes its own copy, as XLA would).
+    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec,
+                         check_vma=False)(blocks)
 
   def leaf(g, m, layout, spec):
     """One parameter: (update, new momentum). g may be an nnx.Variable (split states)."""
@@ -176,6 +209,11 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
             MuonState(jax.tree.unflatten(treedef, [m for _, m in done])))
 
   return optax.GradientTransformation(init, update)
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _unwrap(x):
