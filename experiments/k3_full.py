@@ -2,20 +2,62 @@
 
   python -m k3jax.params --config=experiments/k3_full.py
   python -m k3jax.train --config=experiments/k3_full.py --workdir=gs://...
+  python -m k3jax.aot --config=experiments/k3_full.py:v5p-2048 --topology=v5:8x8x16 \
+      --chip_config=megacore --chips_per_host_bounds=2,2,1
 
 Every value is the default of `k3jax.config.base_config()` (K3_SPEC section 1), with the
 MoonViT-V2 vision tower (K3_SPEC 6: 27 layers, width 1024, 401M + a 29M projector) built.
+
+`FILE:<variant>` sets the mesh, batch, micro-batching, remat and MoE dispatch for one TPU
+slice (`VARIANTS`; the name counts TensorCores: a v5p chip is one JAX device of 2 cores, an
+Ironwood chip two devices of 1 core each). Their per-chip HBM, FLOPs and fit, compiled for
+the slice from a CPU by `k3jax.aot`, are in benchmarks/results/aot_k3_full.md.
 """
 
 from k3jax import config as k3config
 
+# name -> the libtpu topology it was sized for (`k3jax.aot.topology_devices` keywords) and
+# the config fields it sets. Every mesh axis is explicit: they multiply to the devices.
+# None of them fits yet (aot_k3_full.md: Muon's Newton-Schulz is replicated over fsdp; the
+# MLA scores, MoE buffers and saved AttnRes sources need more than a device's HBM at one
+# 4,096-token sequence per device); they are the layouts that come closest.
+_V5P_2048 = dict(name="v5:8x8x16", chip_config="megacore", chips_per_host_bounds=(2, 2, 1))
+# One sequence per device: the batch rows split over fsdp x expert. Experts over 8 devices
+# (896 = 2^7 x 7 caps the axis at 128; more ways shrink the weights each device gathers but
+# grow its all-to-all buffers); the rest of the parameters over 128-way FSDP. Tensor
+# parallelism must divide the vision tower's 12 heads and a physical torus axis (8, 16 on
+# v5p), so it stays 1. The capacity dispatch holds 896 x 146 rows per sequence where the
+# dropless one ("auto") reserves its worst case, 8 x 65,536.
+_PRETRAIN = {"mesh.data": 1, "mesh.fsdp": 128, "mesh.expert": 8, "mesh.tensor": 1,
+             "train.seq_len": 4_096, "train.global_batch": 1_024, "train.microbatches": 1,
+             "model.remat": "full", "model.moe.dispatch": "expert_parallel",
+             # splash attention on TPU: no [B, H, T, T] scores (131,072 tokens need it)
+             "model.mla.attention": "auto"}
+VARIANTS = {
+    # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step.
+    "v5p-2048": dict(topology=_V5P_2048, fields=_PRETRAIN),
+    # 512 Ironwood chips = 1,024 devices (one per die, 96 GiB each): the same layout.
+    "tpu7x-1024": dict(topology=dict(name="tpu7x:8x8x8"), fields=_PRETRAIN),
+    # Long context without context parallelism: one 131,072-token sequence per chip.
+    "v5p-2048-128k": dict(topology=_V5P_2048, fields={**_PRETRAIN, "train.seq_len": 131_072}),
+}
+
 
 def get_config(arg: str | None = None):
-  del arg
   c = k3config.base_config()
   c.model.vision.enabled = True
   c.data.worker_count = 8  # per training process: pieces read ahead of packing
   # TPU: the dropless dispatch per device (plain "dropless" is left unpartitioned by XLA:
   # every device would run every token's experts); GPU: capacity buffers
   c.model.moe.dispatch = "auto"
+  if arg:
+    if arg not in VARIANTS:
+      raise ValueError(f"experiments/k3_full.py:{arg}: unknown variant "
+                       f"(known: {', '.join(VARIANTS)})")
+    for dotted, value in VARIANTS[arg]["fields"].items():
+      *parents, leaf = dotted.split(".")
+      node = c
+      for name in parents:
+        node = node[name]
+      node[leaf] = value
   return c

@@ -1,6 +1,7 @@
 """Compile the train step for a TPU slice from any host, and say whether it fits.
 
-  python -m k3jax.aot --config=experiments/k3_full.py --topology=v5p:16x16x8
+  python -m k3jax.aot --config=experiments/k3_full.py:v5p-2048 --topology=v5:8x8x16 \
+      --chip_config=megacore --chips_per_host_bounds=2,2,1
   python -m k3jax.aot --config=experiments/k3_tiny.py --topology=v5p:2x2x1 \
       --config.model.kda.backend=kernel --step_time=0.5
 
@@ -13,12 +14,18 @@ temporaries, total) against the chip's capacity, the compiled FLOPs per step and
 given step time would mean; exits 1 if the step does not fit.
 
 Topology names are libtpu's: "v5p:2x2x1" (4 chips), "v5:8x8x16" with --chip_config=megacore
-and --chips_per_host_bounds=2,2,1 (1,024 v5p chips), "tpu7x:8x8x8" (Ironwood), "v6e:16x16".
+and --chips_per_host_bounds=2,2,1 (1,024 v5p chips), "tpu7x:8x8x8" (Ironwood: 512 chips, each
+two devices of 96 GiB), "v6e:16x16".
 --num_slices=N compiles for N such slices joined by DCN (multi-slice); the config says which
 mesh axes cross them (`mesh.dcn_<axis>`, multiplying to N), e.g.
 
   python -m k3jax.aot --config=experiments/k3_tiny.py --topology=v5p:2x2x1 --num_slices=2 \
       --config.mesh.data=2 --config.mesh.dcn_data=2 --config.mesh.fsdp=4
+
+A step too large for HBM makes XLA stop early with its need (a MemoryError naming it; exit
+1). To compile it to the end and see every term, at several times the compile time:
+LIBTPU_INIT_ARGS="--xla_tpu_impure_oom_fast_exit_threshold=-1 --xla_tpu_no_crash_on_oom=true".
+k3_full's slice variants and their numbers: benchmarks/results/aot_k3_full.md.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from absl import app, flags  # noqa: E402
 
 from k3jax import cli, parallel, program  # noqa: E402
 from k3jax import config as k3config  # noqa: E402
-from k3jax.memory import check_state_fits, compile_report, hbm_bytes  # noqa: E402
+from k3jax.memory import compile_report, preflight  # noqa: E402
 
 _TOPOLOGY = flags.DEFINE_string("topology", None, "libtpu topology name, e.g. v5p:2x2x1.")
 _CHIP_CONFIG = flags.DEFINE_string("chip_config", None, "libtpu chip config (e.g. megacore).")
@@ -82,15 +89,15 @@ def main(argv):
   print(f"{cfg.model.num_layers} layers, d {cfg.model.d_model}, {prog.num_params:,} parameters;"
         f" batch {cfg.train.global_batch} x {cfg.train.seq_len}; remat {cfg.model.remat}",
         flush=True)
-  capacity = hbm_bytes(mesh.devices.flat[0])
-  try:  # from the shardings alone: an impossible config is refused before compiling
-    check_state_fits(prog, capacity)
+  try:  # the state from the shardings first: an impossible config is refused before compiling
+    report, _ = preflight(prog, log=lambda line: print(line, flush=True),
+                          step_time=_STEP_TIME.value)
   except MemoryError as e:
     print(f"DOES NOT FIT: {e}", flush=True)
     sys.exit(1)
-  report, _ = compile_report(prog)
-  print("\n".join(report.lines(_STEP_TIME.value)), flush=True)
-  sys.exit(0 if report.fits is not False else 1)
+  if report is None:  # a device kind of unknown HBM size: the compiled numbers alone
+    report, _ = compile_report(prog)
+    print("\n".join(report.lines(_STEP_TIME.value)), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ step's needs.
 
 Two checks, cheapest first: `check_state_fits` from the shardings alone (no compile: refuses
 k3_full on 4 chips in seconds), then `compile_report` / `check_fits` from XLA's memory
-analysis of the compiled step. `k3jax.aot` runs both for a TPU topology from any host;
-`k3jax.train` runs both before its first step wherever the device's HBM size is known.
+analysis of the compiled step (a step XLA cannot fit into HBM at all fails to compile:
+MemoryError with XLA's numbers). `preflight` runs both against the HBM of the mesh's
+devices: `k3jax.train` before its first step wherever that size is known, `k3jax.aot` for a
+TPU topology from any host.
 """
 
 from __future__ import annotations
@@ -12,18 +14,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Any
 
 import jax
 
 from k3jax import flops, parallel, program
 
 GIB = 2 ** 30
-# HBM per JAX device (one chip; v5p's two TensorCores form one "megacore" device), matched
-# in order against device_kind (lowercase).
+# HBM per JAX device, matched in order against device_kind (lowercase). A v5p chip's two
+# TensorCores form one "megacore" device; an Ironwood chip's two dies are two devices of
+# half its 192 GiB each (libtpu's tpu7x:8x8x8 is 512 chips, 1,024 devices).
 HBM_BYTES: tuple[tuple[str, int], ...] = (
     ("v5 lite", 16 * GIB),   # v5e
     ("v6 lite", 32 * GIB),   # v6e (Trillium)
-    ("tpu7x", 192 * GIB),    # Ironwood
+    ("tpu7x", 96 * GIB),     # Ironwood, per die
     ("v5", 95 * GIB),        # v5p reports "TPU v5"
     ("v4", 32 * GIB),
     ("h200", 141 * GIB),
@@ -100,8 +104,9 @@ def state_bytes_per_chip(prog: program.Program) -> int:
   return max(per_device.values(), default=0)
 
 
-def check_state_fits(prog: program.Program, capacity: int | None) -> None:
-  """MemoryError before any compile when the train state alone exceeds a chip's HBM."""
+def check_state_fits(prog: program.Program, capacity: int | None) -> int:
+  """The train state's bytes on the most loaded chip (`state_bytes_per_chip`); MemoryError
+  before any compile when they alone exceed a chip's HBM."""
   need = state_bytes_per_chip(prog)
   if capacity is not None and need > capacity:
     device = prog.mesh.devices.flat[0]
@@ -110,18 +115,34 @@ def check_state_fits(prog: program.Program, capacity: int | None) -> None:
         f"optimizer state of {prog.num_params:,} parameters over mesh {dict(prog.mesh.shape)}),"
         f" but a {device.device_kind} has {capacity / GIB:.0f} GiB: use more chips or shard "
         "the parameters further (config.mesh.fsdp, config.mesh.expert)")
+  return need
 
 
 def compile_report(prog: program.Program) -> tuple[Report, jax.stages.Compiled]:
   """Lowers and compiles `prog`'s train step on abstract arrays: (its memory and FLOPs, the
   executable, which runs the step on arrays sharded like `prog.abstract_state`)."""
+  device = prog.mesh.devices.flat[0]
   t0 = time.time()
-  compiled = prog.lower_train_step().compile()
+  lowered = prog.lower_train_step()
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # noqa: BLE001  (XLA raises its runtime error type)
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    # XLA:TPU refuses a program larger than HBM; its first line names the need and the room.
+    xla = next((line.strip() for line in str(e).splitlines() if "memory" in line.lower()),
+               str(e).splitlines()[0])
+    capacity = hbm_bytes(device)
+    cap = f" of {capacity / GIB:.0f} GiB" if capacity else ""
+    raise MemoryError(
+        f"the train step does not fit a {device.device_kind}'s HBM{cap} per chip on mesh "
+        f"{dict(prog.mesh.shape)} (XLA, after {time.time() - t0:.0f} s: {xla}): use more "
+        "chips, more fsdp/expert sharding, a smaller batch per chip (config.train.microbatches)"
+        " or more rematerialization (config.model.remat)") from None
   seconds = time.time() - t0
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  device = prog.mesh.devices.flat[0]
   t = prog.cfg.train
   report = Report(
       device_kind=device.device_kind, chips=prog.mesh.devices.size, mesh=dict(prog.mesh.shape),
@@ -143,3 +164,22 @@ def check_fits(report: Report) -> None:
         f"{report.temp_bytes / GIB:.2f}), but a {report.device_kind} has "
         f"{report.capacity_bytes / GIB:.0f} GiB: use more chips, more fsdp/expert sharding, "
         "a smaller batch per chip or more rematerialization (config.model.remat)")
+
+
+def preflight(prog: program.Program, *, log=print,
+              step_time: float | None = None) -> tuple[Report | None, Any]:
+  """The fit checks before a run, against the HBM of `prog`'s mesh devices: the train state
+  from the shardings (no compile), then the compiled step (its report goes to `log`).
+  MemoryError naming the need and the per-chip capacity when either does not fit. Returns
+  (report, the compiled train step), or (None, the jitted train step) where the devices'
+  HBM size is unknown (CPU): nothing to check, nothing compiled."""
+  capacity = hbm_bytes(prog.mesh.devices.flat[0])
+  need = check_state_fits(prog, capacity)
+  if capacity is None:
+    return None, prog.train_step
+  log(f"train state: {need / GIB:.1f} GiB per chip of {capacity / GIB:.0f} GiB; train step: "
+      "compiling to check its memory ...")
+  report, compiled = compile_report(prog)
+  log("\n".join(report.lines(step_time)))
+  check_fits(report)
+  return report, compiled

@@ -176,15 +176,11 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
       f"layers {K3Model.__name__} {cfg.model.num_layers}, d {cfg.model.d_model}, "
       f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}")
   abs_state, init = prog.abstract_state, prog.init
-  capacity = memory.hbm_bytes(jax.devices()[0])  # None on CPU: nothing to check
-  memory.check_state_fits(prog, capacity)
   checkpoint.check_free_space(ckpt.directory, prog.state_bytes)
-  train_step, eval_step, schedule = prog.train_step, prog.eval_step, prog.schedule
-  if capacity is not None:  # compile before any state exists; refuse a step that cannot fit
-    say("train step: compiling to check its memory ...")
-    report, train_step = memory.compile_report(prog)
-    say("\n".join(report.lines()))
-    memory.check_fits(report)
+  # Before any state exists: the state, then the compiled step, against the devices' HBM
+  # (where its size is known; on CPU nothing is checked or compiled here).
+  _, train_step = memory.preflight(prog, log=say)
+  eval_step, schedule = prog.eval_step, prog.schedule
   ds = k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
                            seed=cfg.seed, process_index=jax.process_index(),
                            process_count=jax.process_count(),

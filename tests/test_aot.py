@@ -1,7 +1,10 @@
 """`k3jax.aot`: the train step compiled for a TPU slice on this CPU (libtpu), and the
-refusal of a configuration that cannot fit, before any compile; the dropless MoE dispatch
-compiled to TPU grouped-matmul kernels. Multi-slice compiles: tests/test_multislice.py."""
+refusal of a configuration that cannot fit, before any compile or by XLA's compile; k3_full's
+named slice variants; the dropless MoE dispatch compiled to TPU grouped-matmul kernels.
+Multi-slice compiles: tests/test_multislice.py."""
 
+import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -12,9 +15,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
-from tpu_aot import tiny_kernel_config, tpu_mesh
+from tpu_aot import tiny_kernel_config, tpu_devices, tpu_mesh
 
 from conftest import micro_config
+from experiments import k3_full
 from k3jax import aot, memory, parallel, program
 from k3jax import config as k3config
 from k3jax.model import axes
@@ -87,6 +91,69 @@ def test_train_refuses_a_state_that_cannot_fit_before_making_anything(tmp_path, 
   with pytest.raises(MemoryError, match=r"the train state alone needs .* GiB per chip"):
     k3train.train(cfg, str(tmp_path))
   assert not os.listdir(tmp_path / "checkpoints")
+
+
+def test_preflight_refuses_k3_full_on_four_chips_from_the_shardings():
+  """`memory.preflight`, which `k3jax.train` runs before it makes any state, on a
+  compile-only v5p mesh of 4 chips: k3_full's state is refused from the shardings alone
+  (nothing compiled, nothing logged), naming the need per chip and the chip's capacity."""
+  mesh = tpu_mesh(parallel.MESH_AXES, (1, 4, 1, 1))
+  prog = program.build(k3config.validate(k3_full.get_config()), mesh)
+  logged = []
+  with pytest.raises(MemoryError, match=r"the train state alone needs ([\d,.]+) GiB per chip "
+                     r".* but a TPU v5 has 95 GiB") as e:
+    memory.preflight(prog, log=logged.append)
+  need = float(re.search(r"needs ([\d,.]+) GiB", str(e.value)).group(1).replace(",", ""))
+  assert need * memory.GIB >= prog.state_bytes / 4 and not logged
+
+
+def test_preflight_refuses_a_step_xla_cannot_fit():
+  """A state that fits but a step that cannot: XLA's compile for v5p refuses it (here a
+  step whose result alone is 256 GiB per chip, so the compile stays cheap), and
+  `preflight` turns that into a MemoryError naming the chip, its capacity and XLA's need."""
+  mesh = tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1))
+  prog = program.build(k3config.validate(micro_config()), mesh)
+  huge = jax.jit(lambda params, rest, opt_state, batch: jnp.sin(
+      jnp.arange(2 ** 38, dtype=jnp.float32).reshape(4, -1) + jnp.sum(batch["weights"])),
+      out_shardings=NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  prog = dataclasses.replace(prog, train_step=huge)
+  with pytest.raises(MemoryError, match=r"does not fit a TPU v5's HBM of 95 GiB per chip .*"
+                     r"Ran out of memory"):
+    memory.preflight(prog, log=lambda line: None)
+
+
+def test_a_one_slice_pod_is_one_slice():
+  """libtpu's one-slice topologies give no `slice_index`; the 16 hosts of v5p 4x4x4 are
+  still one slice: one ICI mesh, no axis across slices."""
+  devices = tpu_devices("v5p:4x4x4")
+  assert len({d.process_index for d in devices}) == 16
+  assert [len(g) for g in parallel.slices(devices)] == [64]
+  cfg = micro_config()
+  cfg.mesh.data, cfg.mesh.fsdp = 4, 16
+  mesh = parallel.make_mesh(cfg.mesh, devices)
+  assert dict(mesh.shape)["fsdp"] == 16 and set(parallel.slices_along(mesh).values()) == {1}
+
+
+@pytest.mark.parametrize("name", sorted(k3_full.VARIANTS))
+def test_k3_full_variant_tiles_its_slice_and_holds_its_state(name):
+  """A named variant (`--config=experiments/k3_full.py:<name>`) is a valid config whose
+  explicit mesh multiplies to its topology's device count, lays out on that slice's
+  physical axes and holds the train state within a chip's HBM (from the shardings; the
+  compiled numbers: benchmarks/results/aot_k3_full.md)."""
+  tpu_devices()  # skips where libtpu is missing
+  variant = k3_full.VARIANTS[name]
+  cfg = k3config.validate(k3_full.get_config(name))
+  devices = aot.topology_devices(**variant["topology"])
+  sizes = [cfg.mesh[a] for a in parallel.MESH_AXES]
+  assert -1 not in sizes and math.prod(sizes) == len(devices)
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, devices))
+  capacity = memory.hbm_bytes(devices[0])
+  assert memory.check_state_fits(prog, capacity) <= capacity
+
+
+def test_unknown_k3_full_variant_is_named():
+  with pytest.raises(ValueError, match="k3_full.py:v9-1: unknown variant"):
+    k3_full.get_config("v9-1")
 
 
 def _latent_moe_grad_lowered(dispatch, mesh):

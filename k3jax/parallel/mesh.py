@@ -79,11 +79,15 @@ def dcn_shape(cfg_mesh: ml_collections.ConfigDict, sizes: dict[str, int],
 
 def slices(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
   """The devices grouped by slice (`slice_index`; the process where devices have none), in
-  slice order."""
-  key = "slice_index" if hasattr(devices[0], "slice_index") else "process_index"
+  slice order. TPU devices without `slice_index` (libtpu's one-slice topologies) are one
+  slice, however many hosts it spans."""
+  def key(d):
+    if hasattr(d, "slice_index"):
+      return d.slice_index
+    return 0 if d.platform == "tpu" else d.process_index
   groups = collections.defaultdict(list)
   for d in devices:
-    groups[getattr(d, key)].append(d)
+    groups[key(d)].append(d)
   return [groups[k] for k in sorted(groups)]
 
 
