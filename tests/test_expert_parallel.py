@@ -22,6 +22,10 @@ from k3jax.model import axes
 from k3jax.model import quantile_balancing as qb
 from k3jax.model.latent_moe import LatentMoE
 
+# One pytest-xdist worker for the module (--dist loadgroup): its module-wide fixtures and
+# cached reference runs compile once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_expert_parallel")
+
 B, T = 8, 32
 CAPACITY_FACTOR = 1.25   # C = ceil(1.25 * 32 * 2 / 8) = 10 per row: some pairs are dropped
 MESHES = [dict(expert=8), dict(expert=4, data=2), dict(expert=2, fsdp=2, tensor=2)]

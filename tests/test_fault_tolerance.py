@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train import train_config
+from test_train import TRAIN_PROGRAM, train_config
 
 from k3jax import checkpoint as k3ckpt
 from k3jax import config as k3config
@@ -74,6 +74,7 @@ def _metrics(workdir):
   return fault_injection.metrics_by_step(workdir)
 
 
+@TRAIN_PROGRAM
 def test_nan_batch_is_skipped_and_counted(tmp_path, monkeypatch):
   c = train_config()   # train.steps stays: it shapes the schedule, so the compiled program
   c.train.checkpoint_every, c.train.keep_checkpoints, c.train.eval_every = 1, 0, 0
@@ -92,6 +93,7 @@ def test_nan_batch_is_skipped_and_counted(tmp_path, monkeypatch):
     assert json.load(f) == {"skipped": 1, "bad_run": 0}
 
 
+@TRAIN_PROGRAM
 def test_too_many_bad_steps_stop_the_run(tmp_path, monkeypatch):
   c = train_config()
   c.train.checkpoint_every, c.train.max_bad_steps, c.train.eval_every = 2, 2, 0

@@ -115,6 +115,40 @@ def _ici_groups(hlo: str) -> list[list[int]]:
   return groups
 
 
+def _two_slice_program():
+  """A two-layer micro model (a dense layer and a LatentMoE one) on two slices: fsdp 4
+  within each slice, data 2 across."""
+  cfg = micro_config()
+  cfg.model.num_layers, cfg.train.global_batch = 2, 8
+  cfg.model.moe.dispatch = "auto"
+  cfg = _cfg(cfg, data=2, dcn_data=2, fsdp=4)
+  return program.build(cfg, parallel.make_mesh(cfg.mesh, tpu_devices(num_slices=SLICES)))
+
+
+def test_two_slice_state_and_batch_shardings():
+  """Without compiling (the compiled program's DCN traffic is the slow test below): each
+  slice holds the whole train state (every parameter and optimizer array, FSDP-split over
+  its own 4 chips only), so a parameter gather never crosses DCN; the batch rows split over
+  the slices (data over DCN: slice 0 the first 4 rows, slice 1 the last 4)."""
+  prog = _two_slice_program()
+  slice_of = {d: d.slice_index for d in prog.mesh.devices.flat}
+  split = 0
+  for x in jax.tree.leaves(prog.abstract_state):
+    held = [set(), set()]   # per slice: the parts of x its chips hold
+    for d, index in x.sharding.devices_indices_map(x.shape).items():
+      held[slice_of[d]].add(tuple((i.start, i.stop) for i in index))
+    assert held[0] == held[1], (x.shape, held)
+    whole = sum(np.prod([(b or n) - (a or 0) for (a, b), n in zip(part, x.shape)])
+                for part in held[0])
+    assert whole == x.size, (x.shape, held)   # the parts tile the array exactly once
+    split += len(held[0]) == 4
+  assert split > 0   # FSDP splits the large arrays 4 ways within each slice
+  batch = prog.abstract_batch()["inputs"]
+  for d, (rows, _) in batch.sharding.devices_indices_map(batch.shape).items():
+    assert rows.stop - rows.start == 1 and rows.start // 4 == slice_of[d], (d, rows)
+
+
+@pytest.mark.slow
 def test_train_step_compiles_for_two_slices_with_data_over_dcn():
   """A two-layer micro model's whole train step (a dense layer and a LatentMoE one; fsdp 4
   within each slice, data 2 across): the only DCN traffic is all-reduces (gradient sums,
@@ -122,11 +156,7 @@ def test_train_step_compiles_for_two_slices_with_data_over_dcn():
   (groups of the 4 chips of one slice), and so do the tokens: moe.dispatch="auto" sorts
   each device's own pairs ("dropless" under jit alone all-gathers every device's routing
   across the slices too)."""
-  cfg = micro_config()
-  cfg.model.num_layers, cfg.train.global_batch = 2, 8
-  cfg.model.moe.dispatch = "auto"
-  cfg = _cfg(cfg, data=2, dcn_data=2, fsdp=4)
-  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, tpu_devices(num_slices=SLICES)))
+  prog = _two_slice_program()
   report, compiled = memory.compile_report(prog)
   hlo = compiled.as_text()
   assert _megascale_transfers(hlo) == {"ALL_REDUCE"}

@@ -17,6 +17,10 @@ from k3jax.config import ConfigError, validate
 from k3jax.model import K3Model, axes
 from k3jax.steps import cross_entropy
 
+# One pytest-xdist worker for the module (--dist loadgroup): its module-wide fixtures and
+# cached reference runs compile once, not once per worker.
+pytestmark = pytest.mark.xdist_group("test_parallel")
+
 MESHES = [dict(fsdp=8), dict(data=2, fsdp=2, tensor=2), dict(expert=4, tensor=2)]
 
 

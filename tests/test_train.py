@@ -22,6 +22,13 @@ def train_config():
   return c
 
 
+# The train step of train_config compiles for minutes on 2 cores: every test that trains it
+# (here and tests/test_fault_tolerance.py) runs in one pytest-xdist worker (--dist loadgroup),
+# which builds the program once (k3jax.program.build_once) instead of once per worker.
+TRAIN_PROGRAM = pytest.mark.xdist_group("train_program")
+pytestmark = TRAIN_PROGRAM
+
+
 def losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
