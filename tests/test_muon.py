@@ -168,34 +168,43 @@ def test_blocks_are_the_heads():
   np.testing.assert_array_equal(layout.from_blocks(blocks), x)
 
 
+def _sharded_update(var, sharding, backend):
+  """Muon's update of the one parameter `var` (an nnx.Param with Muon metadata) with its
+  arrays placed as `sharding`: (the compiled update's HLO, the sharded update, the update
+  computed unsharded)."""
+  meta = nnx.State({"w": var})
+  cfg = _cfg()
+  cfg.optimizer.muon.ns_backend = backend
+  tx, _ = make_optimizer(cfg, meta, mesh=sharding.mesh,
+                         param_specs=nnx.State({"w": sharding.spec}))
+  params = nnx.as_pure(meta)
+  grads = jax.tree.map(lambda p: 0.5 * p + 1.0, params)
+  put = lambda t: jax.tree.map(lambda a: jax.device_put(a, sharding), t)
+  update = lambda g, s, p: tx.update(g, s, p)[0]
+  state = jax.jit(tx.init)(params)
+  state = jax.tree.map(lambda a: jax.device_put(a, sharding) if a.ndim == 3 else a, state)
+  compiled = jax.jit(update).lower(put(grads), state, put(params)).compile()
+  sharded = compiled(put(grads), state, put(params))["w"]
+  plain_tx, _ = make_optimizer(_cfg(), meta)
+  plain = jax.jit(lambda g, s, p: plain_tx.update(g, s, p)[0])(grads, plain_tx.init(params),
+                                                                params)["w"]
+  return compiled.as_text(), sharded, plain
+
+
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 def test_sharded_heads_are_orthogonalized_in_place(backend):
   """Per-head blocks sharded over 8 devices along the head axis: the compiled update has
   no all-gather and equals the unsharded one, with XLA's Newton-Schulz (partitioned by
   XLA) and with the Pallas kernel (run per device under shard_map; interpret mode here)."""
   x = np.random.default_rng(3).standard_normal((16, 8, 12)).astype(np.float32)
-  meta = nnx.State({"q": nnx.Param(jnp.asarray(x), out_sharding=("embed", "heads", "head_dim"),
-                                   eager_sharding=False, muon="matrix",
-                                   muon_roles=("in", "head", "out"))})
+  var = nnx.Param(jnp.asarray(x), out_sharding=("embed", "heads", "head_dim"),
+                  eager_sharding=False, muon="matrix", muon_roles=("in", "head", "out"))
   mesh = jax.make_mesh((8,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,))
   by_head = NamedSharding(mesh, P(None, "tensor", None))
-  cfg = _cfg()
-  cfg.optimizer.muon.ns_backend = backend
-  tx, _ = make_optimizer(cfg, meta, mesh=mesh, param_specs=nnx.State({"q": by_head.spec}))
-  params = nnx.as_pure(meta)
-  grads = jax.tree.map(lambda p: 0.5 * p + 1.0, params)
-  put = lambda t: jax.tree.map(lambda a: jax.device_put(a, by_head), t)
-  update = lambda g, s, p: tx.update(g, s, p)[0]
-  state = jax.jit(tx.init)(params)
-  state = jax.tree.map(lambda a: jax.device_put(a, by_head) if a.ndim == 3 else a, state)
-  compiled = jax.jit(update).lower(put(grads), state, put(params)).compile()
-  assert "all-gather" not in compiled.as_text()
-  sharded = compiled(put(grads), state, put(params))
-  assert sharded["q"].sharding.spec == by_head.spec
-  plain_tx, _ = make_optimizer(_cfg(), meta)
-  plain = jax.jit(lambda g, s, p: plain_tx.update(g, s, p)[0])(grads, plain_tx.init(params),
-                                                                params)
-  assert _rel(sharded["q"], plain["q"]) < 1e-5
+  hlo, sharded, plain = _sharded_update(var, by_head, backend)
+  assert "all-gather" not in hlo
+  assert sharded.sharding.spec == by_head.spec
+  assert _rel(sharded, plain) < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -206,28 +215,13 @@ def test_fsdp_split_blocks_are_orthogonalized_once(backend):
   of gathering and orthogonalizing all of them; no all-gather; equal to the unsharded
   update."""
   x = np.random.default_rng(4).standard_normal((4, 16, 12)).astype(np.float32)
-  meta = nnx.State({"w": nnx.Param(jnp.asarray(x), out_sharding=("experts", "embed", "mlp"),
-                                   eager_sharding=False, muon="matrix",
-                                   muon_roles=("expert", "in", "out"))})
+  var = nnx.Param(jnp.asarray(x), out_sharding=("experts", "embed", "mlp"),
+                  eager_sharding=False, muon="matrix", muon_roles=("expert", "in", "out"))
   mesh = jax.make_mesh((4, 2), ("fsdp", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  where = NamedSharding(mesh, P("expert", "fsdp", None))
-  cfg = _cfg()
-  cfg.optimizer.muon.ns_backend = backend
-  tx, _ = make_optimizer(cfg, meta, mesh=mesh, param_specs=nnx.State({"w": where.spec}))
-  params = nnx.as_pure(meta)
-  grads = jax.tree.map(lambda p: 0.5 * p + 1.0, params)
-  put = lambda t: jax.tree.map(lambda a: jax.device_put(a, where), t)
-  update = lambda g, s, p: tx.update(g, s, p)[0]
-  state = jax.jit(tx.init)(params)
-  state = jax.tree.map(lambda a: jax.device_put(a, where) if a.ndim == 3 else a, state)
-  compiled = jax.jit(update).lower(put(grads), state, put(params)).compile()
-  hlo = compiled.as_text()
+  hlo, sharded, plain = _sharded_update(var, NamedSharding(mesh, P("expert", "fsdp", None)),
+                                        backend)
   assert "all-gather" not in hlo and "all-to-all" in hlo
-  sharded = compiled(put(grads), state, put(params))
-  plain_tx, _ = make_optimizer(_cfg(), meta)
-  plain = jax.jit(lambda g, s, p: plain_tx.update(g, s, p)[0])(grads, plain_tx.init(params),
-                                                                params)
-  assert _rel(sharded["w"], plain["w"]) < 1e-5
+  assert _rel(sharded, plain) < 1e-5
 
 
 def test_muon_needs_the_parameter_metadata():
