@@ -18,9 +18,9 @@ from k3jax import config as k3config
 
 # name -> the libtpu topology it was sized for (`k3jax.aot.topology_devices` keywords) and
 # the config fields it sets. Every mesh axis is explicit: they multiply to the devices.
-# None of them fits yet (aot_k3_full.md: Muon's Newton-Schulz is replicated over fsdp; the
-# MLA scores, MoE buffers and saved AttnRes sources need more than a device's HBM at one
-# 4,096-token sequence per device); they are the layouts that come closest.
+# None of them fits yet (aot_k3_full.md: the forward / backward's MoE buffers, gathered
+# expert weights and saved AttnRes sources need more than a device's HBM at one 4,096-token
+# sequence per device); they are the layouts that come closest.
 _V5P_2048 = dict(name="v5:8x8x16", chip_config="megacore", chips_per_host_bounds=(2, 2, 1))
 # One sequence per device: the batch rows split over fsdp x expert. Experts over 8 devices
 # (896 = 2^7 x 7 caps the axis at 128; more ways shrink the weights each device gathers but
@@ -54,10 +54,5 @@ def get_config(arg: str | None = None):
     if arg not in VARIANTS:
       raise ValueError(f"experiments/k3_full.py:{arg}: unknown variant "
                        f"(known: {', '.join(VARIANTS)})")
-    for dotted, value in VARIANTS[arg]["fields"].items():
-      *parents, leaf = dotted.split(".")
-      node = c
-      for name in parents:
-        node = node[name]
-      node[leaf] = value
+    c.update_from_flattened_dict(VARIANTS[arg]["fields"])
   return c
