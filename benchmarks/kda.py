@@ -80,13 +80,13 @@ def jax_fns(impl):
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def run_ours(x, variants, reps):
+def run_ours(x, variants, reps, impl=kda_pallas):
   bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
   args = [bf(n) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(x["h0"])]
   cots = [bf("do"), jnp.asarray(x["dht"])]
   results = {}
   for name, kw in variants.items():
-    fwd, fwd_bwd = jax_fns(functools.partial(kda_pallas, **kw))
+    fwd, fwd_bwd = jax_fns(functools.partial(impl, **kw))
     (o, st), grads = fwd_bwd(*args, *cots)
     res = dict(zip(NAMES, [o, st, *grads]))
     res = {n: np.asarray(jnp.asarray(a, jnp.float32)) for n, a in res.items()}
@@ -94,6 +94,41 @@ def run_ours(x, variants, reps):
     res["fwd_bwd_ms"] = time_jax(fwd_bwd, args + cots, max(1, reps // 2))
     results[name] = res
   return results
+
+
+def run_chunk_form(x, reps):
+  """kda_chunk (pure JAX, chunk 32 as k3_small runs it) on the bf16 inputs, timed."""
+  return run_ours(x, {"chunk": dict(chunk_size=32)}, reps, impl=kda_chunk)["chunk"]
+
+
+def layer(B, T, reps, backends=("kernel:16", "chunk:32")):
+  """k3_small's KDA layer (projections, short convs, norms, gates: `k3jax.model.kda.KDA`)
+  forward+backward on [B, T, d] bf16 activations packed with two documents per row, per
+  backend:chunk; prints ms."""
+  import importlib.util  # noqa: PLC0415
+
+  from flax import nnx  # noqa: PLC0415
+
+  from k3jax.model.kda import KDA  # noqa: PLC0415
+  spec = importlib.util.spec_from_file_location("k3_small", "experiments/k3_small.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  cfg = mod.get_config()
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((B, T, cfg.model.d_model)), jnp.bfloat16)
+  seg = jnp.asarray(np.repeat([[1, 2]], [T // 3, T - T // 3], axis=1).repeat(B, 0), jnp.int32)
+  for item in backends:
+    backend, chunk = item.split(":")
+    cfg.model.kda.backend, cfg.model.kda.chunk_size = backend, int(chunk)
+    model = KDA(cfg.model, rngs=nnx.Rngs(0))
+    graph, params = nnx.split(model)
+
+    def loss(p, x, graph=graph):
+      y, _ = nnx.merge(graph, p)(x, seg)
+      return jnp.sum(y.astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    print(f"  KDA layer {item}: fwd+bwd {time_jax(step, (params, x), reps):.3f} ms", flush=True)
 
 
 def run_reference(x):
@@ -140,8 +175,8 @@ def run_fla(x, reps):
 
 
 def breakdown(shape, variants, reps, interpret=False, chunk=64):
-  """Times of the pieces at one shape: prep kernel (per tuning variant), rec_fwd, rec_bwd,
-  and prep's backward (the kernel and the XLA vjp)."""
+  """Times of the pieces at one shape: prep kernel (per tuning variant), rec_fwd, and the
+  backward's rec_bwd and chunk_bwd."""
   import dataclasses  # noqa: PLC0415
   from pallas_kernels.kda import pallas as P  # noqa: PLC0415
   B, T, H, D = shape
@@ -150,7 +185,7 @@ def breakdown(shape, variants, reps, interpret=False, chunk=64):
   cfg, args = P.kernel_inputs(*(bf(n) for n in ("q", "k", "v", "g", "beta")), scale=None,
                               initial_state=jnp.asarray(x["h0"]), segment_ids=None,
                               chunk_size=chunk, sub_chunk_size=16, interpret=interpret,
-                              platform=None, block_v=64, save_states=True)
+                              platform=None, block_v=None, save_states=True)
   q, k, v, g, beta, st0, *masks = args
   out = {}
   for name, kw in variants.items():
@@ -158,22 +193,22 @@ def breakdown(shape, variants, reps, interpret=False, chunk=64):
     f = jax.jit(lambda *a, c=c: P.prep_pallas(c, *a))
     out[f"prep[{name}]"] = time_jax(f, (q, k, v, g, beta, *masks), reps)
   prep = jax.jit(lambda *a: P.prep_pallas(cfg, *a))(q, k, v, g, beta, *masks)
-  fwd = jax.jit(lambda *a: P.rec_fwd(cfg, *a, jnp.bfloat16, True))
-  out["rec_fwd"] = time_jax(fwd, (*prep, st0), reps)
-  _, _, states = fwd(*prep, st0)
   do = jnp.asarray(x["do"], jnp.bfloat16).swapaxes(1, 2)
   dst = jnp.swapaxes(jnp.asarray(x["dht"]), -1, -2)
-  bwd = jax.jit(lambda *a: P.rec_bwd(cfg, *a))
-  out["rec_bwd"] = time_jax(bwd, (*prep, states, do, dst), reps)
-  cots = tuple(jnp.ones(p.shape, jnp.float32) for p in prep)
-
-  def xla_vjp(*a):
-    _, vjp = jax.vjp(lambda *y: P.prep_xla(cfg, *y, *masks), *a)
-    return vjp(cots)
-
-  out["prep_xla_vjp"] = time_jax(jax.jit(xla_vjp), (q, k, v, g, beta), reps)
-  prep_bwd = jax.jit(lambda *a: P.prep_bwd_pallas(cfg, *a))
-  out["prep_bwd_kernel"] = time_jax(prep_bwd, (q, k, v, g, beta, *masks, *cots), reps)
+  w, _, a, qs, ks, dec = prep
+  for stages in (1, 2, 3):
+    c = dataclasses.replace(cfg, rec_stages=stages)
+    fwd = jax.jit(lambda *a, c=c: P.rec_fwd(c, *a, jnp.bfloat16, True))
+    out[f"rec_fwd[{stages} stages]"] = time_jax(fwd, (*prep, st0), reps)
+    bwd = jax.jit(lambda *a, c=c: P.rec_bwd(c, *a))
+    out[f"rec_bwd[{stages} stages]"] = time_jax(bwd, (w, a, qs, ks, dec, do, dst), reps)
+  _, _, states = fwd(*prep, st0)
+  dvn, dstates, _ = bwd(w, a, qs, ks, dec, do, dst)
+  for warps in (4, 8):
+    c = dataclasses.replace(cfg, bwd_warps=warps)
+    f = jax.jit(lambda *a, c=c: P.chunk_bwd(c, *a))
+    out[f"chunk_bwd[{warps} warps]"] = time_jax(
+        f, (q, k, v, g, beta, *masks, states, dstates, do, dvn), reps)
   for n, t in out.items():
     print(f"  {n}: {t:.3f} ms", flush=True)
 
@@ -183,25 +218,36 @@ def main():
   p.add_argument("--shapes", nargs="+", default=["8,4096,16,128"])
   p.add_argument("--peer", default="fla", choices=["fla", "none"])
   p.add_argument("--reference", action="store_true", help="also the fp32 chunked form")
+  p.add_argument("--chunk_form", action="store_true",
+                 help="also time the pure-JAX chunked form on the bf16 inputs (the model's "
+                 "non-kernel backend)")
   p.add_argument("--variants", default="save",
-                 help="comma list of save, recompute, bv32, bv128, c32, c16, xlabwd; "
-                 "'+' combines (c16+xlabwd)")
+                 help="comma list of save, recompute, bv16, bv32, bv128, c32, c16, w4, w16; "
+                 "'+' combines (c16+recompute)")
   p.add_argument("--chunk", type=int, default=64, help="chunk size of --breakdown")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU)")
   p.add_argument("--breakdown", action="store_true", help="time the pieces (GPU)")
+  p.add_argument("--layer", action="store_true",
+                 help="time k3_small's KDA layer, kernel vs chunk form (shapes: B,T)")
   p.add_argument("--prep", default="", help="prep tunings for --breakdown: w8:tf32x3,w4:tf32")
   a = p.parse_args()
   known = {"save": dict(save_states=True), "recompute": dict(save_states=False),
            "bv16": dict(block_v=16), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
            "c32": dict(chunk_size=32),
-           "c16": dict(chunk_size=16), "xlabwd": dict(prep_bwd="xla")}
+           "c16": dict(chunk_size=16), "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16)}
   variants = {n: dict(interpret=a.interpret) for n in a.variants.split(",")}
   for n, kw in variants.items():
     for part in n.split("+"):
       kw.update(known[part])
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  if a.layer:
+    for shape in a.shapes:
+      B, T = map(int, shape.split(",")[:2])
+      print(f"{B} x {T} tokens", flush=True)
+      layer(B, T, a.reps)
+    return
   if a.breakdown:
     preps = {}
     for item in a.prep.split(","):
@@ -226,6 +272,8 @@ def main():
       print(f"{shape}: fla done ({time.time() - t0:.0f} s): fwd {r['fwd_ms']:.2f} ms, "
             f"fwd+bwd {r['fwd_bwd_ms']:.2f} ms", flush=True)
     refs = {n: r for n, r in impls.items()}
+    if a.chunk_form:
+      impls["chunk form (XLA, bf16, chunk 32)"] = run_chunk_form(x, a.reps)
     if a.reference:
       refs["ref32"] = run_reference(x)
     fl = flops(B, T, H, D)

@@ -122,19 +122,34 @@ def test_kernel_packed_documents():
   assert sum(DOC_LENGTHS[0]) == 100 and DOC_LENGTHS[0][:2] == [37, 1]
 
 
-def test_prep_backward_kernel_matches_naive():
-  """prep_bwd="kernel" (the vjp of the per-chunk maths inside one Pallas program per chunk,
-  instead of XLA's vjp of the vmapped maths): packed documents, an initial state, chunk 16
-  with sub-tiles of 8; every gradient vs naive, fp32."""
-  q, k, v, g, beta, h0 = make_inputs(15, 2, 100, 2, 16, 16)
-  seg = packed_segment_ids()
-  cot = cotangents(16, v.shape, h0.shape)
-  fn = functools.partial(interpret, chunk_size=16, sub_chunk_size=8, segment_ids=seg,
-                         prep_bwd="kernel")
-  out_ref, grads_ref = forward_and_grads(functools.partial(kda_naive, segment_ids=seg),
-                                         q, k, v, g, beta, h0, *cot)
-  out, grads = forward_and_grads(fn, q, k, v, g, beta, h0, *cot)
-  check(out, grads, out_ref, grads_ref, RTOL_FP32, 2)
+@pytest.mark.parametrize("chunk,sub,docs", [(16, 16, [16]), (16, 8, [5, 1, 10]),
+                                            (32, 8, [3, 20, 9]), (64, 16, [30, 34])])
+def test_hand_derived_prep_vjp_is_autodiff(chunk, sub, docs):
+  """`tile.chunk_prep_vjp` (the backward kernel's maths, derived by hand) equals `jax.vjp` of
+  `tile.chunk_prep` on one chunk, fp32, HIGHEST: one diagonal tile or several, documents
+  starting inside the chunk (one of a single token), state-seeing and last-document masks."""
+  from jax import lax  # noqa: PLC0415
+
+  from pallas_kernels.kda import tile  # noqa: PLC0415
+  rng = np.random.default_rng(chunk + sub)
+  unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)
+  q, k = unit(rng.normal(size=(2, chunk, 32)))
+  v = rng.normal(size=(chunk, 16))
+  g = rng.uniform(-5, 0, size=(chunk, 32))
+  beta = rng.uniform(size=(chunk, 1))
+  doc = np.repeat(np.arange(len(docs)), docs).astype(np.int32)
+  masks = (jnp.asarray(doc[:, None]), jnp.asarray(doc[None, :]),
+           jnp.asarray(doc == 0, jnp.float32)[:, None],
+           jnp.asarray(doc == doc[-1], jnp.float32)[:, None])
+  args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
+  kw = dict(scale=0.3, sub=sub, mm_dtype=jnp.float32, precision=lax.Precision.HIGHEST)
+  outs, vjp = jax.vjp(lambda *a: tile.chunk_prep(*a, *masks, **kw), *args)
+  cots = [jnp.asarray(rng.normal(size=o.shape), jnp.float32) for o in outs]
+  hand_outs, hand_vjp = tile.chunk_prep_vjp(*args, *masks, **kw)
+  for a, b in zip(hand_outs, outs):
+    np.testing.assert_array_equal(a, b)
+  for name, a, b in zip(("q", "k", "v", "g", "beta"), hand_vjp(*cots), vjp(tuple(cots))):
+    assert rel_rms(a, b) < 1e-6, name
 
 
 def test_kernel_unaligned_head_dims():
@@ -176,19 +191,18 @@ def test_lowers_for_cuda():
   args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H),
           sd(B, H, D, D, dt=jnp.float32), sd(B, T, dt=jnp.int32))
 
-  def lowered(prep_bwd):
+  def lowered(save_states):
     def loss(q, k, v, g, beta, h0, seg):
       o, s = kda_pallas(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                        output_final_state=True, platform="gpu", prep_bwd=prep_bwd)
+                        output_final_state=True, platform="gpu", save_states=save_states)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
     return jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-  # prep, rec_fwd (states saved), rec_bwd; the prep_bwd kernel adds prep (recomputed)
-  # and itself
-  assert lowered("xla").count("__gpu$xla.gpu.triton") == 3
-  assert lowered("kernel").count("__gpu$xla.gpu.triton") == 5
+  # prep, rec_fwd (states saved), rec_bwd, chunk_bwd; recomputing adds prep and rec_fwd
+  assert lowered(True).count("__gpu$xla.gpu.triton") == 4
+  assert lowered(False).count("__gpu$xla.gpu.triton") == 6
 
 
 def test_tpu_form_matches_naive():
@@ -207,9 +221,9 @@ def test_tpu_form_matches_naive():
 
 def test_tpu_aot_compile():
   """Forward and backward compile for a TPU v5p 2x2x1 slice through libtpu (Mosaic), under
-  shard_map with batch on one mesh axis and heads on the other: three Mosaic kernels in
-  the gradient (prep, recurrence forward with saved states, recurrence backward), five
-  with prep_bwd="kernel" (prep again and prep's backward)."""
+  shard_map with batch on one mesh axis and heads on the other: four Mosaic kernels in
+  the gradient (prep, recurrence forward with saved states, recurrence backward, chunk
+  backward), six with save_states=False (prep and the recurrence again in the backward)."""
   import os  # noqa: PLC0415
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest -n 2: two workers
   from jax.sharding import NamedSharding  # noqa: PLC0415
@@ -226,15 +240,16 @@ def test_tpu_aot_compile():
           spec((B, H, D, D), P("data", "model"), jnp.float32), spec((B, T), P("data"),
                                                                      jnp.int32))
 
-  def compiled(prep_bwd):
+  def compiled(save_states):
     def loss(q, k, v, g, beta, h0, seg):
       o, s = kda_pallas_sharded(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
                                 output_final_state=True, platform="tpu", mesh=mesh,
-                                batch_axis="data", head_axis="model", prep_bwd=prep_bwd)
+                                batch_axis="data", head_axis="model",
+                                save_states=save_states)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
     return jax.jit(grad).trace(*args).lower().compile().as_text()
 
-  assert compiled("xla").count("tpu_custom_call") == 3
-  assert compiled("kernel").count("tpu_custom_call") == 5
+  assert compiled(True).count("tpu_custom_call") == 4
+  assert compiled(False).count("tpu_custom_call") == 6

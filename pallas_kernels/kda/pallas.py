@@ -1,19 +1,21 @@
 """Chunked Kimi Delta Attention as Pallas kernels, forward and backward (K3_SPEC 2.1).
 
-Three kernels, one `jax.custom_vjp`:
-  prep     grid (B, H, N), one chunk per program: decays, scores and the UT transform
-           (`tile.chunk_prep`), written out as w, u, A_qk, q_s, k_s and the chunk decay.
-  rec_fwd  the inter-chunk recurrence, fp32 state (transposed, [BV, K]) per (b, h, V block):
-           v_new = u - w S, o = q_s S + A_qk v_new, S <- dec S + k_s^T v_new. Saves the
-           state entering each chunk for the backward (or the backward recomputes them).
-  rec_bwd  the same, chunks in reverse: the state's cotangent carried back, the cotangents
-           of w, u, A_qk, q_s, k_s and dec written out (K-side ones as partial sums over
-           the V blocks, added up outside).
-The backward of `prep` is `jax.vjp` of the same tile maths vmapped under XLA (recomputed,
-not stored; `prep_bwd="xla"`, the default) or the same vjp inside one Pallas program per
-chunk (`prep_bwd="kernel"`, `prep_bwd_pallas`: 2.3x slower on the H200, compiles for TPU);
-the UT inverse has the analytic gradient. Columns of V are independent in the
-delta rule, so V blocks parallelize the recurrence at no extra work.
+Four kernels, one `jax.custom_vjp`:
+  prep       grid (B, H, N), one chunk per program: decays, scores and the UT transform
+             (`tile.chunk_prep`), written out as w, u, A_qk, q_s, k_s and the chunk decay.
+  rec_fwd    the inter-chunk recurrence, fp32 state (transposed, [BV, K]) per (b, h, V
+             block): v_new = u - w S, o = q_s S + A_qk v_new, S <- dec S + k_s^T v_new.
+             Saves the state entering each chunk (operand dtype) for the backward.
+  rec_bwd    the sequential part of the backward, chunks in reverse: the state's cotangent
+             dS carried back (dS <- dec dS + q_s^T do - w^T dv_new), the cotangents of v_new
+             and of the state leaving each chunk written out. Four products per chunk.
+  chunk_bwd  grid (B, H, N), all the rest, one chunk per program: prep recomputed in
+             registers, v_new from the saved state, the cotangents of w, u, A_qk, q_s, k_s
+             and the decay from the states around the chunk, then prep's vjp derived by
+             hand (`tile.chunk_prep_vjp`): dq, dk, dv, dg, dbeta.
+The forward's prep outputs (w, A_qk, q_s, k_s, decay) and chunk states are the residuals
+(`save_states=False`: recomputed in the backward instead). Columns of V are independent in
+the delta rule, so V blocks parallelize the recurrences at no extra work.
 
 GPU backend: Pallas Triton. Mosaic GPU (wgmma, TMA) is the faster road on the H200, but it
 wants warpgroup-shaped tiles staged explicitly through shared memory, and the tile maths
@@ -29,9 +31,10 @@ MXU, all of V (up to 128) per program. `kda_pallas_sharded` wraps it in shard_ma
 Layout: the wrapper moves [B, T, H, D] to [B, H, T, D] (padded to a multiple of the chunk,
 and D to a power of two >= 16): an extra XLA pass over q, k, v, g and o.
 
-Speed (H200, 2026-11-30, benchmarks/results/kda.md): chunks of 16 (one diagonal tile) are
-fastest on the GPU, forward 1.6x fla's at (8, 4096, 16, 128), forward + backward 2.4x; the
-backward's recurrence and prep vjp dominate.
+Speed (H200, 2026-11-30, benchmarks/results/kda.md, session 6): chunks of 16 (one diagonal
+tile) are fastest on the GPU; at (8, 4096, 16, 128) forward 2.23 ms (fla 1.53), forward +
+backward 9.77 ms (fla 7.34, 1.33x), of which chunk_bwd ~6 ms (register-bound: 8 warps 2.4x
+faster than 4).
 """
 
 from __future__ import annotations
@@ -69,9 +72,10 @@ class Config:
   save_states: bool = True  # False: the backward reruns rec_fwd for the chunk states
   prep_warps: int = 4  # measured on the H200: 4 warps twice as fast as 8
   prep_precision: str = "tf32x3"  # GPU fp32 matmuls in prep: "tf32x3", "tf32" or "ieee"
-  # the backward of prep: "kernel" (`prep_bwd_pallas`, one program per chunk) or "xla"
-  # (`jax.vjp` of the vmapped tile maths)
-  prep_bwd: str = "xla"
+  # Triton pipelining stages of the recurrences' chunk loop (the next chunk's loads overlap
+  # this one's products). H200, rec_bwd at (1, 32768, 16, 128): 3.99 ms at 1, 2.15 at 3
+  rec_stages: int = 3
+  bwd_warps: int = 8  # chunk_bwd, H200 (8, 4096, 16, 128): 6.1 ms at 8 warps, 14.2 at 4, 30.5 at 16
 
   @property
   def precision(self):
@@ -104,9 +108,10 @@ def _call(cfg, kernel, **kw):
   elif cfg.platform == "gpu" and not cfg.interpret:
     from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
     kw["compiler_params"] = plgpu.CompilerParams(num_warps=kw.pop("num_warps", 4),
-                                                 num_stages=1)
+                                                 num_stages=kw.pop("num_stages", 1))
   else:
     kw.pop("num_warps", None)
+  kw.pop("num_stages", None)
   return pl.pallas_call(kernel, interpret=cfg.interpret, **kw)
 
 
@@ -163,62 +168,6 @@ def prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
   )(q, k, v, g, beta, doc_c, doc_r, sees, last)
 
 
-def prep_xla(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
-  """`prep_pallas` as vmapped XLA ops (differentiable); the same shapes in and out, but
-  all outputs float32."""
-  B, H, Tp, K = q.shape
-  C = cfg.chunk
-  N = Tp // C
-  chunks = lambda x: x.reshape(*x.shape[:-2], N, C, x.shape[-1])
-  # float32 products as in the kernels (3-pass TF32 on GPU: its vjp 4.69 ms against 5.89 at
-  # HIGHEST, same gradients to 2 digits; H200, (8, 4096, 16, 128), chunk 16)
-  fn = functools.partial(tile.chunk_prep, scale=cfg.scale, sub=cfg.sub, mm_dtype=cfg.mm,
-                         precision=cfg.precision, in_kernel=False)
-  per_token, shared = 0, None
-  fn = jax.vmap(fn)  # chunks
-  fn = jax.vmap(fn, in_axes=(per_token,) * 5 + (shared,) * 4)  # heads
-  fn = jax.vmap(fn)  # batch
-  w, u, a, qs, ks, dec = fn(chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta),
-                            chunks(doc_c), doc_r, chunks(sees), chunks(last))
-  flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
-  return flat(w), flat(u), flat(a), flat(qs), flat(ks), dec
-
-
-def _prep_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_ref,
-                     last_ref, dw_ref, du_ref, da_ref, dqs_ref, dks_ref, ddec_ref,
-                     dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, cfg):
-  """One chunk backwards: `jax.vjp` of `tile.chunk_prep` on the chunk's tiles (the forward
-  recomputed in registers), applied to the cotangents of its six outputs."""
-  masks = (docc_ref[...], docr_ref[...], sees_ref[...], last_ref[...])
-  prep = functools.partial(tile.chunk_prep, scale=cfg.scale, sub=cfg.sub, mm_dtype=cfg.mm,
-                           precision=cfg.prep_prec, in_kernel=False)
-  primals = [r[...].astype(F32) for r in (q_ref, k_ref, v_ref, g_ref, beta_ref)]
-  _, vjp = jax.vjp(lambda *x: prep(*x, *masks), *primals)
-  cots = [r[...].astype(F32) for r in (dw_ref, du_ref, da_ref, dqs_ref, dks_ref, ddec_ref)]
-  for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref), vjp(tuple(cots))):
-    ref[...] = x.astype(ref.dtype)
-
-
-def prep_bwd_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks,
-                    ddec):
-  """The cotangents of `prep_pallas`'s inputs q, k, v, g, beta (float32, their shapes) from
-  those of its outputs (dw, dq_s, dk_s [B, H, Tp, K], du [B, H, Tp, V], dA [B, H, Tp, C],
-  ddec [B, H, N, 1, K]), one program per chunk: the same maths as `jax.vjp(prep_xla)`."""
-  B, H, Tp, K = q.shape
-  V = v.shape[-1]
-  C = cfg.chunk
-  tok, col, row = _chunk_specs(cfg)
-  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), F32) for d in (K, K, V, K, 1)]
-  return _call(
-      cfg, functools.partial(_prep_bwd_kernel, cfg=cfg), grid=(B, H, Tp // C),
-      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col,
-                tok(K), tok(V), tok(C), tok(K), tok(K),
-                pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))],
-      out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
-      out_shape=out_shape, num_warps=cfg.prep_warps,
-  )(q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec)
-
-
 # -------------------------------------------------------------------------------- recurrence
 
 
@@ -230,22 +179,6 @@ def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
   return o, st * dec + tile.dot(v_new, ks, "tn", prec, mm)
 
 
-def _bwd_step(cfg, w, u, a, qs, ks, dec, st, do, dst):
-  """One chunk backwards: from the state entering it (st) and the cotangent of the state
-  leaving it (dst), the cotangents du, dA, dq_s, dk_s, dw, ddec (the K-side ones summed
-  over this V block only) and of st."""
-  mm, prec = cfg.mm, cfg.precision
-  v_new = u.astype(F32) - tile.dot(w, st, "nt", prec, mm)  # [C, BV]
-  dv = tile.dot(a, do, "tn", prec, mm) + tile.dot(ks, dst, "nt", prec, mm)  # [C, BV]
-  da = tile.dot(do, v_new, "nt", prec, mm)
-  dqs = tile.dot(do, st, "nn", prec, mm)
-  dks = tile.dot(v_new, dst, "nn", prec, mm)
-  dw = -tile.dot(dv, st, "nn", prec, mm)
-  ddec = jnp.sum(st * dst, axis=0, keepdims=True)
-  dst = dst * dec + tile.dot(do, qs, "tn", prec, mm) - tile.dot(dv, w, "tn", prec, mm)
-  return dv, da, dqs, dks, dw, ddec, dst
-
-
 def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
                     *states_ref, cfg, n_chunks):
   """GPU / interpret form: one program per (b, h, V block) loops over the chunks."""
@@ -254,7 +187,7 @@ def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref
   def body(n, st):  # st: [BV, K] fp32, the state (transposed) entering chunk n
     rows = pl.ds(pl.multiple_of(n * C, C), C)
     if states_ref:
-      states_ref[0][n] = st
+      states_ref[0][n] = st.astype(states_ref[0].dtype)
     o, st = _fwd_step(cfg, w_ref[rows, :], u_ref[rows, :], a_ref[rows, :], qs_ref[rows, :],
                       ks_ref[rows, :], dec_ref[n], st)
     o_ref[rows, :] = o.astype(o_ref.dtype)
@@ -275,7 +208,7 @@ def _rec_fwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o
 
   st = scratch[...]
   if states_ref:
-    states_ref[0][...] = st
+    states_ref[0][...] = st.astype(states_ref[0].dtype)
   o, st = _fwd_step(cfg, w_ref[...], u_ref[...], a_ref[...], qs_ref[...], ks_ref[...],
                     dec_ref[...], st)
   o_ref[...] = o.astype(o_ref.dtype)
@@ -300,7 +233,7 @@ def _tpu_params():
 
 def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
   """Returns o [B, H, Tp, V], the final state (transposed) [B, H, V, K] fp32 and, if
-  save_states, the state entering each chunk [B, H, N, V, K] fp32."""
+  save_states, the state entering each chunk [B, H, N, V, K] in the operand dtype."""
   B, H, Tp, K = w.shape
   V = u.shape[-1]
   N = dec.shape[2]
@@ -309,7 +242,7 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
   out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), out_dtype),
                jax.ShapeDtypeStruct((B, H, V, K), F32)]
   if save_states:
-    out_shape.append(jax.ShapeDtypeStruct((B, H, N, V, K), F32))
+    out_shape.append(jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm))
   args = (w, u, a, qs, ks, dec, st0)
   if cfg.platform == "tpu":
     tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, i, n: (b, h, n, 0))
@@ -338,33 +271,38 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
       cfg, functools.partial(_rec_fwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
       in_specs=[full(K), vblk, full(C), full(K), full(K),
                 pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)), state],
-      out_specs=out_specs, out_shape=out_shape, num_warps=4,
+      out_specs=out_specs, out_shape=out_shape, num_warps=4, num_stages=cfg.rec_stages,
   )(*args)
 
 
-def _rec_bwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, states_ref, do_ref, dst_ref,
-                    du_ref, dw_ref, da_ref, dqs_ref, dks_ref, ddec_ref, dst0_ref, *, cfg,
-                    n_chunks):
+def _rec_bwd_step(cfg, w, a, qs, ks, dec, do, dst):
+  """One chunk backwards, the sequential part only: from the cotangent of the state leaving
+  the chunk (dst [BV, K]) the cotangent of v_new [C, BV] and of the state entering it."""
+  mm, prec = cfg.mm, cfg.precision
+  dvn = tile.dot(a, do, "tn", prec, mm) + tile.dot(ks, dst, "nt", prec, mm)
+  dst = dst * dec + tile.dot(do, qs, "tn", prec, mm) - tile.dot(dvn, w, "tn", prec, mm)
+  return dvn, dst
+
+
+def _rec_bwd_kernel(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, dvn_ref, dsts_ref,
+                    dst0_ref, *, cfg, n_chunks):
   """GPU / interpret form: one program per (b, h, V block), chunks in reverse."""
   C = cfg.chunk
 
   def body(i, dst):  # dst: [BV, K] fp32, cotangent of the state leaving chunk n
     n = n_chunks - 1 - i
     rows = pl.ds(pl.multiple_of(n * C, C), C)
-    dv, da, dqs, dks, dw, ddec, dst = _bwd_step(
-        cfg, w_ref[rows, :], u_ref[rows, :], a_ref[rows, :], qs_ref[rows, :], ks_ref[rows, :],
-        dec_ref[n], states_ref[n], do_ref[rows, :], dst)
-    for ref, x in ((du_ref, dv), (da_ref, da), (dqs_ref, dqs), (dks_ref, dks), (dw_ref, dw)):
-      ref[rows, :] = x.astype(ref.dtype)
-    ddec_ref[n] = ddec
+    dsts_ref[n] = dst.astype(dsts_ref.dtype)
+    dvn, dst = _rec_bwd_step(cfg, w_ref[rows, :], a_ref[rows, :], qs_ref[rows, :],
+                             ks_ref[rows, :], dec_ref[n], do_ref[rows, :], dst)
+    dvn_ref[rows, :] = dvn
     return dst
 
   dst0_ref[...] = lax.fori_loop(0, n_chunks, body, dst_ref[...].astype(F32))
 
 
-def _rec_bwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, states_ref, do_ref,
-                        dst_ref, du_ref, dw_ref, da_ref, dqs_ref, dks_ref, ddec_ref, dst0_ref,
-                        scratch, *, cfg, n_chunks):
+def _rec_bwd_kernel_tpu(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, dvn_ref,
+                        dsts_ref, dst0_ref, scratch, *, cfg, n_chunks):
   """TPU form: grid step n handles chunk N - 1 - n; the state's cotangent lives in VMEM."""
   n = pl.program_id(3)
 
@@ -372,12 +310,11 @@ def _rec_bwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, states_ref
   def _():
     scratch[...] = dst_ref[...].astype(F32)
 
-  dv, da, dqs, dks, dw, ddec, dst = _bwd_step(
-      cfg, w_ref[...], u_ref[...], a_ref[...], qs_ref[...], ks_ref[...], dec_ref[...],
-      states_ref[...], do_ref[...], scratch[...])
-  for ref, x in ((du_ref, dv), (da_ref, da), (dqs_ref, dqs), (dks_ref, dks), (dw_ref, dw),
-                 (ddec_ref, ddec)):
-    ref[...] = x.astype(ref.dtype)
+  dst = scratch[...]
+  dsts_ref[...] = dst.astype(dsts_ref.dtype)
+  dvn, dst = _rec_bwd_step(cfg, w_ref[...], a_ref[...], qs_ref[...], ks_ref[...],
+                           dec_ref[...], do_ref[...], dst)
+  dvn_ref[...] = dvn
   scratch[...] = dst
 
   @pl.when(n == n_chunks - 1)
@@ -385,59 +322,90 @@ def _rec_bwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, states_ref
     dst0_ref[...] = dst
 
 
-def rec_bwd(cfg, w, u, a, qs, ks, dec, states, do, dst):
-  """Cotangents of rec_fwd's inputs: dw, du, dA, dq_s, dk_s, ddec (fp32, the shapes of
-  w, u, a, qs, ks, dec) and of the initial state [B, H, V, K]."""
+def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
+  """The recurrence backwards, sequential part: the cotangents of v_new [B, H, Tp, V] fp32,
+  of the state leaving each chunk [B, H, N, V, K] (transposed, in the operand dtype) and of
+  the initial state [B, H, V, K] fp32, from do [B, H, Tp, V] and the final state's dst."""
   B, H, Tp, K = w.shape
-  V = u.shape[-1]
+  V = do.shape[-1]
   N = dec.shape[2]
   C = cfg.chunk
   BV = _block_v(cfg, V)
-  nv = V // BV
-  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), F32)]
-  out_shape += [jax.ShapeDtypeStruct((nv, B, H, Tp, d), F32) for d in (K, C, K, K)]
-  out_shape += [jax.ShapeDtypeStruct((nv, B, H, N, 1, K), F32),
-                jax.ShapeDtypeStruct((B, H, V, K), F32)]
-  args = (w, u, a, qs, ks, dec, states, do, dst)
+  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), F32),
+               jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm),
+               jax.ShapeDtypeStruct((B, H, V, K), F32)]
+  args = (w, a, qs, ks, dec, do, dst)
   if cfg.platform == "tpu":
     r = lambda n: N - 1 - n  # chunks in reverse
     tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, i, n: (b, h, r(n), 0))
     vblk = pl.BlockSpec((None, None, C, BV), lambda b, h, i, n: (b, h, r(n), i))
     state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
-    part = lambda d: pl.BlockSpec((None, None, None, C, d),
-                                  lambda b, h, i, n: (i, b, h, r(n), 0))
     pltpu, params = _tpu_params()
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_rec_bwd_kernel_tpu, cfg=cfg, n_chunks=N),
-        grid=(B, H, nv, N),
-        in_specs=[tok(K), vblk, tok(C), tok(K), tok(K),
+        grid=(B, H, V // BV, N),
+        in_specs=[tok(K), tok(C), tok(K), tok(K),
                   pl.BlockSpec((None, None, None, 1, K), lambda b, h, i, n: (b, h, r(n), 0, 0)),
-                  pl.BlockSpec((None, None, None, BV, K),
-                               lambda b, h, i, n: (b, h, r(n), i, 0)),
                   vblk, state],
-        out_specs=[vblk, part(K), part(C), part(K), part(K),
-                   pl.BlockSpec((None, None, None, None, 1, K),
-                                lambda b, h, i, n: (i, b, h, r(n), 0, 0)), state],
+        out_specs=[vblk, pl.BlockSpec((None, None, None, BV, K),
+                                      lambda b, h, i, n: (b, h, r(n), i, 0)), state],
         out_shape=out_shape, compiler_params=params,
         scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
-  else:
-    full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, i: (b, h, 0, 0))
-    vblk = pl.BlockSpec((None, None, Tp, BV), lambda b, h, i: (b, h, 0, i))
-    state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
-    part = lambda d: pl.BlockSpec((None, None, None, Tp, d), lambda b, h, i: (i, b, h, 0, 0))
-    outs = _call(
-        cfg, functools.partial(_rec_bwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, nv),
-        in_specs=[full(K), vblk, full(C), full(K), full(K),
-                  pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)),
-                  pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)),
-                  vblk, state],
-        out_specs=[vblk, part(K), part(C), part(K), part(K),
-                   pl.BlockSpec((None, None, None, N, 1, K),
-                                lambda b, h, i: (i, b, h, 0, 0, 0)), state],
-        out_shape=out_shape, num_warps=4,
-    )(*args)
-  du, dw, da, dqs, dks, ddec, dst0 = outs
-  return dw.sum(0), du, da.sum(0), dqs.sum(0), dks.sum(0), ddec.sum(0), dst0
+  full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, i: (b, h, 0, 0))
+  vblk = pl.BlockSpec((None, None, Tp, BV), lambda b, h, i: (b, h, 0, i))
+  state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
+  return _call(
+      cfg, functools.partial(_rec_bwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
+      in_specs=[full(K), full(C), full(K), full(K),
+                pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)),
+                vblk, state],
+      out_specs=[vblk, pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)),
+                 state],
+      out_shape=out_shape, num_warps=4, num_stages=cfg.rec_stages,
+  )(*args)
+
+
+# ------------------------------------------------------------------------- chunk backward
+
+
+def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_ref,
+                      last_ref, st_ref, dst_ref, do_ref, dvn_ref, dq_ref, dk_ref, dv_ref,
+                      dg_ref, dbeta_ref, *, cfg):
+  """One chunk backwards, everything but the sequential part: the chunk's prep recomputed,
+  v_new from the state entering it, the cotangents of w, u, A_qk, q_s, k_s and the decay
+  from do, dv_new and the states around it, then prep's vjp (`tile.chunk_prep_vjp`)."""
+  mm, prec = cfg.mm, cfg.precision
+  (w, u, a, qs, ks, dec), vjp = tile.chunk_prep_vjp(
+      q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
+      docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
+      mm_dtype=mm, precision=cfg.prep_prec)
+  st, dst = st_ref[...], dst_ref[...]  # [V, K]: entering / (cotangent) leaving the chunk
+  do, dvn = do_ref[...], dvn_ref[...]
+  v_new = u - tile.dot(w, st, "nt", prec, mm)  # [C, V]
+  grads = vjp(-tile.dot(dvn, st, "nn", prec, mm), dvn, tile.dot(do, v_new, "nt", prec, mm),
+              tile.dot(do, st, "nn", prec, mm), tile.dot(v_new, dst, "nn", prec, mm),
+              jnp.sum(st.astype(F32) * dst.astype(F32), axis=0, keepdims=True))
+  for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref), grads):
+    ref[...] = x.astype(ref.dtype)
+
+
+def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, states, dstates, do, dvn):
+  """The cotangents of q, k, v, g, beta (float32, their shapes) from those of v_new (dvn
+  [B, H, Tp, V]), of o (do) and of the states leaving each chunk (dstates [B, H, N, V, K]),
+  with the states entering each chunk; one program per chunk, all of V."""
+  B, H, Tp, K = q.shape
+  V = v.shape[-1]
+  C = cfg.chunk
+  tok, col, row = _chunk_specs(cfg)
+  state = pl.BlockSpec((None, None, None, V, K), lambda b, h, n: (b, h, n, 0, 0))
+  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), F32) for d in (K, K, V, K, 1)]
+  return _call(
+      cfg, functools.partial(_chunk_bwd_kernel, cfg=cfg), grid=(B, H, Tp // C),
+      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col, state, state,
+                tok(V), tok(V)],
+      out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
+      out_shape=out_shape, num_warps=cfg.bwd_warps,
+  )(q, k, v, g, beta, doc_c, doc_r, sees, last, states, dstates, do, dvn)
 
 
 # ------------------------------------------------------------------------------ custom_vjp
@@ -445,39 +413,30 @@ def rec_bwd(cfg, w, u, a, qs, ks, dec, states, do, dst):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda_core(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
-  o, st, _ = _core_fwd_impl(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last, False)
+  prep = prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last)
+  o, st = rec_fwd(cfg, *prep, st0, q.dtype, False)
   return o, st
 
 
-def _core_fwd_impl(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last, save):
-  prep = prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last)
-  outs = rec_fwd(cfg, *prep, st0, q.dtype, save)
-  return outs[0], outs[1], (outs[2] if save else None)
-
-
 def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
-  o, st, states = _core_fwd_impl(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last,
-                                 cfg.save_states)
-  return (o, st), (q, k, v, g, beta, st0, doc_c, doc_r, sees, last, states)
+  prep = prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last)
+  o, st, *states = rec_fwd(cfg, *prep, st0, q.dtype, cfg.save_states)
+  w, _, a, qs, ks, dec = prep
+  saved = (w, a, qs, ks, dec, states[0]) if cfg.save_states else None
+  return (o, st), (q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved)
 
 
 def _core_bwd(cfg, res, cots):
-  q, k, v, g, beta, st0, doc_c, doc_r, sees, last, states = res
+  q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved = res
   do, dst = cots
   masks = (doc_c, doc_r, sees, last)
-  if cfg.prep_bwd == "kernel":
-    stored = prep_pallas(cfg, q, k, v, g, beta, *masks)
-  else:
-    prep, prep_vjp = jax.vjp(lambda *x: prep_xla(cfg, *x, *masks), q, k, v, g, beta)
-    stored = [x.astype(dt) for x, dt in zip(prep, _prep_dtypes(cfg))]
-  if states is None:  # recompute the chunk states
-    states = rec_fwd(cfg, *stored, st0, q.dtype, True)[2]
-  dw, du, da, dqs, dks, ddec, dst0 = rec_bwd(cfg, *stored, states, do, dst)
-  if cfg.prep_bwd == "kernel":
-    dq, dk, dv, dg, dbeta = prep_bwd_pallas(cfg, q, k, v, g, beta, *masks, dw, du, da, dqs,
-                                            dks, ddec)
-  else:
-    dq, dk, dv, dg, dbeta = prep_vjp((dw, du, da, dqs, dks, ddec))
+  if saved is None:  # recompute prep's outputs and the chunk states
+    prep = prep_pallas(cfg, q, k, v, g, beta, *masks)
+    w, _, a, qs, ks, dec = prep
+    saved = (w, a, qs, ks, dec, rec_fwd(cfg, *prep, st0, q.dtype, True)[2])
+  *prep, states = saved
+  dvn, dstates, dst0 = rec_bwd(cfg, *prep, do, dst)
+  dq, dk, dv, dg, dbeta = chunk_bwd(cfg, q, k, v, g, beta, *masks, states, dstates, do, dvn)
   cast = lambda d, x: d.astype(x.dtype)
   zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
   return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), dst0,
@@ -511,7 +470,8 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
     platform: "gpu" or "tpu"; None: the default backend's.
     block_v: V columns per program of the recurrence (GPU, interpret); None: 64, or 32
       where B * H * V / 64 < MIN_PROGRAMS (long sequences of few rows and heads).
-    save_states: keep the state entering each chunk for the backward (else recompute).
+    save_states: keep prep's outputs and the state entering each chunk for the backward
+      (else recompute them there).
     tuning: further `Config` fields (prep_warps, prep_precision).
 
   Returns:
