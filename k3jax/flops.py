@@ -144,8 +144,10 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("v5", 459e12),        # TPU v5p reports "TPU v5"
     ("v6 lite", 918e12),   # TPU v6e (Trillium) reports "TPU v6 lite"
     ("v6e", 918e12),
-    ("tpu7x", 2307e12),    # Ironwood
-    ("ironwood", 2307e12),
+    # Ironwood: 2,307 TFLOP/s bf16 per chip, and a chip is two JAX devices (one per die,
+    # as memory.py counts its HBM)
+    ("tpu7x", 2307e12 / 2),
+    ("ironwood", 2307e12 / 2),
     ("v4", 275e12),
 )
 

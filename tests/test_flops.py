@@ -92,7 +92,7 @@ def test_mfu_and_peak_table():
   assert peak_flops("TPU v5") == 459e12
   assert peak_flops("TPU v5p") == 459e12
   assert peak_flops("TPU v6 lite") == 918e12
-  assert peak_flops("TPU7x") == 2307e12
+  assert peak_flops("TPU7x") == 2307e12 / 2  # per device: an Ironwood chip is two
   assert peak_flops("some new chip") is None
   assert mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
   with pytest.raises(ValueError):
