@@ -101,10 +101,11 @@ def run_chunk_form(x, reps):
   return run_ours(x, {"chunk": dict(chunk_size=32)}, reps, impl=kda_chunk)["chunk"]
 
 
-def layer(B, T, reps, backends=("kernel:16", "chunk:32")):
+def layer(B, T, reps, backends=("kernel:16", "chunk:32"), profile=None):
   """k3_small's KDA layer (projections, short convs, norms, gates: `k3jax.model.kda.KDA`)
   forward+backward on [B, T, d] bf16 activations packed with two documents per row, per
-  backend:chunk; prints ms."""
+  backend:chunk; prints ms. profile: a folder for a trace of 3 steps per backend, whose
+  costliest ops are printed."""
   import importlib.util  # noqa: PLC0415
 
   from flax import nnx  # noqa: PLC0415
@@ -129,6 +130,33 @@ def layer(B, T, reps, backends=("kernel:16", "chunk:32")):
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     print(f"  KDA layer {item}: fwd+bwd {time_jax(step, (params, x), reps):.3f} ms", flush=True)
+    if profile:
+      folder = os.path.join(profile, f"{B}x{T}-{item.replace(':', '-')}")
+      with jax.profiler.trace(folder, create_perfetto_trace=True):
+        jax.block_until_ready([step(params, x) for _ in range(3)])
+      for name, ms, n in costliest_ops(folder):
+        print(f"    {ms:9.3f} ms  {n:4d} x  {name}")
+
+
+def costliest_ops(folder, top=15):
+  """(name, total ms, count) of the longest events of a `jax.profiler` perfetto trace under
+  `folder`, device events (GPU kernels) if there are any, else all, longest first."""
+  import glob  # noqa: PLC0415
+  import gzip  # noqa: PLC0415
+  path, = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {e["pid"]: e["args"].get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+  device = [e for e in spans if "/device:" in names.get(e["pid"], "")]
+  totals = {}
+  for e in device or spans:
+    ms, n = totals.get(e["name"], (0.0, 0))
+    totals[e["name"]] = (ms + e["dur"] / 1e3, n + 1)
+  rows = sorted(((k, ms, n) for k, (ms, n) in totals.items()), key=lambda r: -r[1])
+  return rows[:top]
 
 
 def run_reference(x):
@@ -231,6 +259,8 @@ def main():
   p.add_argument("--breakdown", action="store_true", help="time the pieces (GPU)")
   p.add_argument("--layer", action="store_true",
                  help="time k3_small's KDA layer, kernel vs chunk form (shapes: B,T)")
+  p.add_argument("--profile", default=None, help="with --layer: trace to this folder and "
+                 "print the costliest device ops")
   p.add_argument("--prep", default="", help="prep tunings for --breakdown: w8:tf32x3,w4:tf32")
   a = p.parse_args()
   known = {"save": dict(save_states=True), "recompute": dict(save_states=False),
@@ -246,7 +276,7 @@ def main():
     for shape in a.shapes:
       B, T = map(int, shape.split(",")[:2])
       print(f"{B} x {T} tokens", flush=True)
-      layer(B, T, a.reps)
+      layer(B, T, a.reps, profile=a.profile)
     return
   if a.breakdown:
     preps = {}
