@@ -164,13 +164,15 @@ def test_kernel_unaligned_head_dims():
 
 
 def test_dispatcher_backends():
-  """"interpret" is kda_pallas in interpret mode; "auto" is "chunk" on CPU; the error lists
-  every backend."""
+  """"interpret" is kda_pallas in interpret mode; "auto" is "chunk" on CPU and GPU and the
+  Mosaic kernel on TPU; the error lists every backend."""
   q, k, v, g, beta, h0 = make_inputs(10, 1, 20, 1, 16, 16)
   trace = lambda f, **kw: str(jax.make_jaxpr(functools.partial(
       f, initial_state=h0, output_final_state=True, scale=0.3, **kw))(q, k, v, g, beta))
   assert trace(kda, backend="interpret") == trace(kda_pallas, interpret=True)
   assert trace(kda, backend="auto") == trace(kda_chunk)
+  assert trace(kda, backend="auto", platform="gpu") == trace(kda_chunk)
+  assert trace(kda, backend="auto", platform="tpu") == trace(kda_pallas, platform="tpu")
   with pytest.raises(ValueError, match="kernel.*interpret.*auto"):
     kda(q, k, v, g, beta, backend="triton")
 

@@ -11,7 +11,10 @@ __all__ = ["BACKENDS", "LOWER_BOUND", "kda", "kda_chunk", "kda_naive", "kda_pall
 
 # "kernel": the Pallas kernels compiled for the target platform (Triton on GPU, Mosaic on
 # TPU); "interpret": the same kernels in Pallas interpret mode (any device, slow);
-# "auto": "kernel" on GPU and TPU, "chunk" elsewhere.
+# "auto": "kernel" on TPU (one k3_full layer's gradient: 1.82 GiB of temporaries per chip vs
+# 8.90 for "chunk"), "chunk" elsewhere: on the H200 the kernel alone is 4.6x faster than
+# "chunk" but k3_small's KDA layer around it is slower, not yet explained
+# (benchmarks/results/kda.md, session 6).
 BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
 
 
@@ -35,7 +38,7 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   platform = "gpu" if platform == "cuda" else platform
   if backend == "auto":
-    backend = "kernel" if platform in ("gpu", "tpu") else "chunk"
+    backend = "kernel" if platform == "tpu" else "chunk"
   if backend == "chunk":
     return kda_chunk(q, k, v, g, beta, chunk_size=chunk_size,
                      sub_chunk_size=sub_chunk_size, **common)
