@@ -30,6 +30,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.dtype = "bfloat16"   # compute dtype; parameters are stored in param_dtype
   m.param_dtype = "float32"
   m.remat = "full"       # one of REMAT_POLICIES, applied per scanned cycle
+  m.remat_scope = "cycle"  # "cycle": one remat region per scanned cycle; "layer": also one
+                           # per layer inside it (the backward holds one layer's activations,
+                           # not a cycle's, for one more forward of every scanned layer)
   m.scan_layers = True
 
   k = m.kda = ml_collections.ConfigDict()
@@ -90,6 +93,10 @@ def base_config() -> ml_collections.ConfigDict:
   r = m.attn_res = ml_collections.ConfigDict()
   r.enabled = True       # False: the plain residual stream
   r.block_layers = 12
+  # What the scan over cycles saves for the backward: "buffer" (jax.lax.scan: every cycle's
+  # whole source buffer [slots, B, T, d]) or "partial" (`attn_res.scan`: the cycle's partial
+  # slot [B, T, d]; the backward rebuilds the rest from the final sources)
+  r.scan_saves = "buffer"
 
   v = m.vision = ml_collections.ConfigDict()   # MoonViT-V2 (K3_SPEC 6; k3jax.model.vision)
   v.enabled = False      # True: K3Model builds the tower (fed by data.images)
@@ -115,6 +122,8 @@ def base_config() -> ml_collections.ConfigDict:
   t.global_batch = 1_024
   t.microbatches = 1     # gradient accumulation: the global batch as this many sequential
                          # slices per step; the same update in a slice's activation memory
+  t.loss_chunk = 0       # > 0: the LM head + loss over this many positions at a time (under
+                         # remat: no [T, vocab] logits); must divide seq_len. 0: all at once
   t.steps = 100_000
   t.log_every = 10
   t.eval_every = 1_000
@@ -223,6 +232,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
   _check(m.remat in REMAT_POLICIES, "model.remat",
          f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
+  _check(m.remat_scope in ("cycle", "layer"), "model.remat_scope",
+         f"must be 'cycle' or 'layer', got {m.remat_scope!r}")
   k = m.kda
   _check(k.num_heads * k.head_dim > 0, "model.kda", "num_heads and head_dim must be positive")
   _check(k.gate in ("bounded", "softplus"), "model.kda.gate",
@@ -265,6 +276,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"must be 'k_plus_1' or 'leave_one_out', got {e.balance_cutoff!r}")
   r = m.attn_res
   _check(r.block_layers >= 1, "model.attn_res.block_layers", "must be >= 1")
+  _check(r.scan_saves in ("buffer", "partial"), "model.attn_res.scan_saves",
+         f"must be 'buffer' or 'partial', got {r.scan_saves!r}")
   _check_vision(m)
   p = c.mesh
   for heads in ("kda", "mla"):
@@ -285,6 +298,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(t.global_batch >= 1, "train.global_batch", "must be >= 1")
   _check(t.microbatches >= 1 and t.global_batch % t.microbatches == 0, "train.microbatches",
          f"{t.microbatches} must be >= 1 and divide train.global_batch={t.global_batch}")
+  _check(t.loss_chunk >= 0 and (t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0),
+         "train.loss_chunk", f"{t.loss_chunk} must be 0 or a positive divisor of "
+         f"train.seq_len={t.seq_len}")
   _check(t.checkpoint_every >= 1, "train.checkpoint_every",
          f"must be >= 1, got {t.checkpoint_every}")
   _check(t.keep_checkpoint_every >= 0 and t.keep_checkpoint_every % t.checkpoint_every == 0,

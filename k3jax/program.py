@@ -114,7 +114,7 @@ def build(cfg, mesh: Mesh) -> Program:
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       jax.eval_shape(init), state_sh)
   train_step, eval_step = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau,
-                                     microbatches=t.microbatches)
+                                     microbatches=t.microbatches, loss_chunk=t.loss_chunk)
   return Program(
       cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
       abstract_params=abs_params, state_shardings=state_sh, abstract_state=abstract_state,

@@ -33,6 +33,36 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
   return jnp.sum((logz - picked) * weights) / denominator
 
 
+def chunked_cross_entropy(logits_fn, h: jax.Array, targets: jax.Array, weights: jax.Array,
+                          denominator: jax.Array | None = None, chunk: int = 0) -> jax.Array:
+  """`cross_entropy(logits_fn(h), targets, weights, denominator)`, the LM head and the loss
+  run `chunk` positions of the sequence at a time (0: all at once) under remat, so that
+  only one chunk's logits [B, chunk, V] ever exist, forward or backward (k3_full: fp32
+  [4096, 163840] is 2.5 GiB per sequence). h [B, T, d]; logits_fn: [B, c, d] -> [B, c, V];
+  T must split into chunks."""
+  b, t, _ = h.shape
+  if denominator is None:
+    denominator = _token_count(weights)
+  if not chunk or chunk >= t:
+    return cross_entropy(logits_fn(h), targets, weights, denominator)
+  if t % chunk:
+    raise ValueError(f"chunked_cross_entropy: {t} positions do not split into chunks of {chunk}")
+
+  def pieces(x):  # [B, T, ...] -> [T / chunk, B, chunk, ...]
+    return jnp.swapaxes(x.reshape(b, t // chunk, chunk, *x.shape[2:]), 0, 1)
+
+  @jax.checkpoint
+  def piece_loss(h, targets, weights):  # the chunk's share of the numerator
+    return cross_entropy(logits_fn(h), targets, weights, jnp.ones((), jnp.float32))
+
+  def body(total, xs):
+    return total + piece_loss(*xs), None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                          (pieces(h), pieces(targets), pieces(weights)))
+  return total / denominator
+
+
 def batch_media(batch: dict) -> PackedMedia | None:
   """The batch's per-row media (leading axis B), or None for a text-only batch."""
   if "media_patches" not in batch:
@@ -56,7 +86,7 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
-               microbatches: int = 1):
+               microbatches: int = 1, loss_chunk: int = 0):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
 
   With microbatches > 1 the batch runs as that many sequential slices (`jax.lax.scan`)
@@ -68,15 +98,17 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
 
   A step whose loss or gradient is not finite changes nothing: params, optimizer state and
   biases come back as they went in, and out["skipped"] is 1 (0 otherwise).
+
+  loss_chunk > 0: the LM head and the loss run that many positions at a time
+  (`chunked_cross_entropy`); the same loss and gradients without the whole logits.
   """
   def loss_fn(params, rest, batch, denominator=None):
     model = nnx.merge(graphdef, params, rest)
     media = batch_media(batch)
-    if media is None:
-      logits, aux = model(batch["inputs"], batch["segment_ids"])
-    else:
-      logits, aux = model(batch["inputs"], batch["segment_ids"], media)
-    return cross_entropy(logits, batch["targets"], batch["weights"], denominator), aux
+    h, aux = model.hidden(batch["inputs"], batch["segment_ids"], media)
+    loss = chunked_cross_entropy(model.logits, h, batch["targets"], batch["weights"],
+                                 denominator, loss_chunk)
+    return loss, aux
 
   def loss_and_grads(params, rest, batch):
     """(loss, aux, grads) of the whole batch, one microbatch at a time."""

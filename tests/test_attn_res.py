@@ -1,5 +1,6 @@
 """Block Attention Residuals: the direct read, the block bookkeeping (eager, unrolled and
-scanned with traced indices) and the two-phase online-softmax form, against numpy."""
+scanned with traced indices) and the two-phase online-softmax form, against numpy; the scan
+that saves only the partial slot against jax.lax.scan."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import pytest
 from flax import nnx
 from jax.test_util import check_grads
 
+from k3jax.model import attn_res
 from k3jax.model.attn_res import (AttnResQuery, BlockState, attend, init_state, merge,
                                   num_slots_for, partial_stats, phase1, read, valid_sources,
                                   write)
@@ -174,6 +176,60 @@ def test_block_state_sequence_scanned():
   assert (np.abs(np.asarray(grads[0][1:])).max(axis=-1) > 0).all()
   assert (np.abs(np.asarray(grads[1][1:])).max(axis=-1) > 0).all()
   assert np.abs(grads[2]).max() > 0 and np.abs(grads[3]).max() > 0
+
+
+def _two_sublayer_step(graphdef, block_sub):
+  """A scan step of two sublayers (read, write; read, write), like a scanned cycle; y holds
+  the first read (float) and the counter after the step (int)."""
+  def step(state: BlockState, xs):
+    q_st, w = xs
+    query = nnx.merge(graphdef, q_st)
+    h = read(state, query)
+    state = write(state, jnp.tanh(h @ w[0]), block_sub)
+    state = write(state, jnp.sin(read(state, query) @ w[1]), block_sub)
+    return state, {"h": h, "done": state.num_done}
+  return step
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_partial_slot_scan_equals_lax_scan(remat):
+  """attn_res.scan: 5 steps of 2 writes, blocks of 3 (they complete inside steps and across
+  them): the final state and ys, and the gradients of a loss of both with respect to the
+  embedding, every query, gain and weight, equal jax.lax.scan's; with the step under remat
+  too. Its compiled gradient never holds the per-step stack of whole buffers
+  [5, S, B, T, d] that jax.lax.scan saves."""
+  steps, block_sub, num_slots = 5, 3, 6
+  graphdef, q_state = nnx.split(AttnResQuery(D))
+  stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (steps, *p.shape)), q_state)
+  stacked["query"][...] = randn(40, steps, D)
+  stacked["key_gain"][...] = 1 + randn(41, steps, D, scale=0.1)
+  ws = randn(42, steps, 2, D, D, scale=D ** -0.5)
+  emb = randn(43, B, T, D)
+  step = _two_sublayer_step(graphdef, block_sub)
+  if remat:
+    step = jax.checkpoint(step)
+
+  def loss(scan, emb, xs):
+    state, ys = scan(step, init_state(emb, num_slots), xs)
+    return (jnp.sum(state.sources ** 2) + jnp.sum(jnp.cos(ys["h"]))
+            + jnp.sum(ys["done"].astype(jnp.float32))), (state, ys)
+
+  def run(scan):
+    grad = jax.jit(jax.grad(lambda e, x: loss(scan, e, x), argnums=(0, 1), has_aux=True))
+    return grad(jnp.asarray(emb), (stacked, jnp.asarray(ws)))
+
+  (grads, (state, ys)), (ref_grads, (ref_state, ref_ys)) = run(attn_res.scan), run(jax.lax.scan)
+  assert (int(state.num_done), int(state.in_block)) == (3, 1)  # 10 writes, blocks of 3
+  for got, want in zip(jax.tree.leaves((state, ys)), jax.tree.leaves((ref_state, ref_ys))):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+  def hlo(scan):
+    return jax.jit(jax.grad(lambda e, x: loss(scan, e, x)[0])).lower(
+        jnp.asarray(emb), (stacked, jnp.asarray(ws))).compile().as_text()
+  stack = f"f32[{steps},{num_slots},{B},{T},{D}]"
+  assert stack in hlo(jax.lax.scan) and stack not in hlo(attn_res.scan)
 
 
 def test_gradients_match_finite_differences():

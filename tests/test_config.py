@@ -47,6 +47,7 @@ def test_experiments_validate(name):
     ("model.moe.dispatch", "ragged", "model.moe.dispatch"),
     ("optimizer.name", "sgd", "unknown optimizer"),
     ("train.microbatches", 3, "train.microbatches"),
+    ("train.loss_chunk", 1000, "train.loss_chunk"),
     ("train.keep_checkpoint_every", 1500, "train.keep_checkpoint_every"),
     ("data.source", "files", "config.data.sources"),
     ("data.tokenizer.kind", "wordpiece", "config.data.tokenizer"),

@@ -66,12 +66,13 @@ def _scan_config(**changes):
   c.model.moe.dispatch = "dropless"
   # Every expert selected: no top-k decision that a rounding difference could flip.
   c.model.moe.balancing, c.model.moe.top_k = "none", c.model.moe.num_experts
-  for k, v in changes.items():
-    setattr(c.model, k, v)
+  c.model.update_from_flattened_dict(changes)
   return c
 
 
 def test_scan_equals_unrolled_and_remat_keeps_gradients():
+  """Scanned vs unrolled cycles, and every remat policy and scope, give the same loss and
+  gradients."""
   tokens = np.random.default_rng(2).integers(0, 64, (2, 40)).astype(np.int32)
   seg = np.ones((2, 40), np.int32)
   graphdef, params, rest = nnx.split(random_model(_scan_config().model), nnx.Param, ...)
@@ -97,13 +98,37 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
   # The unrolled stack is the same program: bit-exact. Remat recomputes the forward in a
   # differently fused program: fp32 rounding differences only, 9e-6 relative per gradient
   # leaf at most (measured), below 1e-4 (a wrong recomputation is O(1)).
+  # remat_scope "layer": each scanned layer its own remat region inside the cycle's.
   for changes, tol in (({"scan_layers": False}, 0.0), ({"remat": "full"}, 1e-4),
-                       ({"remat": "dots"}, 1e-4)):
+                       ({"remat": "dots"}, 1e-4),
+                       ({"remat": "full", "remat_scope": "layer"}, 1e-4),
+                       ({"attn_res.scan_saves": "partial"}, 1e-4),
+                       ({"attn_res.scan_saves": "partial", "remat": "full"}, 1e-4)):
     l, g = loss_for(**changes)
     np.testing.assert_allclose(l, base_loss, rtol=1e-5, err_msg=str(changes))
     for (path, a), (_, b) in zip(nnx.to_flat_state(g), nnx.to_flat_state(base_grad)):
       err = np.linalg.norm(a[...] - b[...]) / max(np.linalg.norm(b[...]), 1e-12)
       assert err <= tol, (changes, path, err)
+
+
+def test_layer_remat_scope_puts_each_scanned_layer_in_its_own_region():
+  """remat_scope "layer": inside the scanned cycle's remat region, each of its 4 layers is
+  one more (nested) region; "cycle": the cycle is one region. Counted in the traced forward
+  (the unscanned final layer is one region under both)."""
+  tokens = np.zeros((2, 40), np.int32)
+  seg = np.ones((2, 40), np.int32)
+
+  def regions(scope):
+    cfg = _scan_config(remat="full", remat_scope=scope)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0))))
+
+    def loss(state):
+      logits, _ = nnx.merge(graphdef, state)(tokens, seg)
+      return jnp.sum(logits)
+    return str(jax.make_jaxpr(loss)(state)).count("remat2[")  # jax.checkpoint's primitive
+
+  assert regions("cycle") == 2
+  assert regions("layer") == 2 + 4
 
 
 def test_plain_residual_switch():

@@ -113,9 +113,11 @@ def test_parameters_live_where_the_rules_say():
   specs = nnx.to_pure_dict(parallel.param_specs(nnx.state(model, nnx.Param)))
   cyc = specs["cycles"]["layers"][0]
   # layers, embed, heads, head_dim
-  assert cyc["mixer"]["q_proj"]["kernel"] == P(None, "fsdp", "tensor", None)
+  # the model width over every batch-splitting axis but data; the expert stacks' latent over
+  # fsdp alone (their experts already take `expert`)
+  assert cyc["mixer"]["q_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
   assert cyc["ffn"]["w_g"] == P(None, "expert", "fsdp", "tensor")            # layers, experts, ...
-  assert specs["embed"] == P("tensor", "fsdp")                                # vocab, embed
+  assert specs["embed"] == P("tensor", ("fsdp", "expert"))                    # vocab, embed
   assert parallel.batch_spec() == P(("data", "fsdp", "expert"), None)
 
 
@@ -166,3 +168,41 @@ def test_kda_kernel_runs_per_device_under_the_mesh():
         layer, jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp", "expert")))), seg)
   err = np.linalg.norm(np.asarray(got) - np.asarray(want)) / np.linalg.norm(np.asarray(want))
   assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("sizes", MESHES + [dict(data=2, fsdp=4), dict(fsdp=4, expert=2)],
+                         ids=lambda v: "-".join(f"{k}{n}" for k, n in v.items()))
+def test_embedding_lookup_and_its_gradient_stay_sharded(sizes):
+  """`embedding.lookup` under the rules: the rows and the table's gradient (of a weighted sum
+  of the rows, with repeated tokens) equal the unsharded `jnp.take`'s; the gradient leaves
+  sharded like the table, and the compiled step never holds the whole [V, d] table or its
+  gradient on a device."""
+  from k3jax.model import embedding  # noqa: PLC0415
+  cfg = _mesh_cfg(**sizes)
+  mesh = parallel.make_mesh(cfg.mesh)
+  rng = np.random.default_rng(0)
+  table = rng.standard_normal((64, 32)).astype(np.float32)
+  tokens = rng.integers(0, 64, (8, 16)).astype(np.int32)
+  tokens[:, :4] = 7                                       # every row repeats one token
+  cot = rng.standard_normal((8, 16, 32)).astype(np.float32)
+
+  def loss(table, tokens):
+    return jax.numpy.sum(embedding.lookup(table, tokens, jax.numpy.float32) * cot)
+
+  rows1 = np.take(table, tokens, axis=0)
+  grad1 = np.zeros_like(table)
+  np.add.at(grad1, tokens, cot)
+  table_sh = NamedSharding(mesh, P("tensor", ("fsdp", "expert")))   # (vocab, embed) by the rules
+  placed = (jax.device_put(table, table_sh),
+            jax.device_put(tokens, NamedSharding(mesh, parallel.batch_spec())))
+  with axes.use_rules(mesh, parallel.RULES):
+    rows = jax.jit(lambda t, k: embedding.lookup(t, k, jax.numpy.float32))(*placed)
+    step = jax.jit(jax.grad(loss), out_shardings=table_sh)
+    grad = step(*placed)
+    hlo = step.lower(*placed).compile().as_text()
+  np.testing.assert_array_equal(np.asarray(rows), rows1)
+  np.testing.assert_allclose(np.asarray(grad), grad1, rtol=1e-6, atol=1e-6)
+  assert grad.sharding.is_equivalent_to(table_sh, 2)
+  shard = table_sh.shard_shape(table.shape)
+  if shard != table.shape:
+    assert "f32[64,32]" not in hlo, "a device holds the whole table or its gradient"

@@ -1,12 +1,15 @@
-"""The train step: microbatched (gradient accumulation) vs the whole batch at once."""
+"""The train step: microbatched (gradient accumulation) vs the whole batch at once; the LM
+head and loss in sequence chunks vs the whole logits."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import micro_config
 
 from k3jax import config as k3config
 from k3jax import parallel, program
+from k3jax.steps import chunked_cross_entropy, cross_entropy
 
 
 def _batch(cfg, seed=0):
@@ -24,7 +27,7 @@ def _batch(cfg, seed=0):
           "weights": (seg > 0).astype(np.float32)}
 
 
-def _one_step(microbatches):
+def _one_step(microbatches, loss_chunk=0):
   """One train step and an eval of the new state. 5 layers: one scanned [KDA x 3, MLA]
   cycle and the final MLA, all MoE, so that aux of both layer groups is merged; AdamW,
   the cheaper compile (the gradient is compared through out["grad_norm"], the update
@@ -33,6 +36,7 @@ def _one_step(microbatches):
   cfg.model.num_layers, cfg.model.dense_layers = 5, 0
   cfg.optimizer.name = "adamw"
   cfg.train.global_batch, cfg.train.microbatches = 8, microbatches
+  cfg.train.loss_chunk = loss_chunk
   cfg.mesh.data = 4
   k3config.validate(cfg)
   mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:4])
@@ -54,8 +58,18 @@ def test_microbatched_step_equals_whole_batch(whole):
   """2 microbatches of 4 rows on a 4-way data-parallel mesh: the same loss, load
   statistics, max logits, updated parameters, optimizer state and Quantile-Balancing
   biases as the 8 rows at once (fp32)."""
-  (state, out, eval_loss) = _one_step(2)
-  (ref_state, ref_out, ref_eval) = whole
+  _assert_same_step(_one_step(2), whole)
+
+
+def test_step_with_chunked_loss_equals_whole_logits(whole):
+  """The LM head + loss 8 positions at a time (4 chunks of the 32, under remat): the same
+  step as with the whole [B, T, V] logits: loss, gradient norm, updated state."""
+  _assert_same_step(_one_step(1, loss_chunk=8), whole)
+
+
+def _assert_same_step(step, whole):
+  """Two steps' (state, out, eval loss) agree: outputs, eval loss, every state leaf (fp32)."""
+  (state, out, eval_loss), (ref_state, ref_out, ref_eval) = step, whole
   assert set(out) == set(ref_out)
   for k in out:
     np.testing.assert_allclose(out[k], ref_out[k], rtol=2e-5, atol=1e-6, err_msg=k)
@@ -63,6 +77,56 @@ def test_microbatched_step_equals_whole_batch(whole):
   flat, ref_flat = jax.tree.leaves_with_path(state), jax.tree.leaves(ref_state)
   for (path, x), y in zip(flat, ref_flat, strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _head_problem():
+  """h [2, 32, 16], an LM head [16, 64], targets, weights with zeros (padding)."""
+  rng = np.random.default_rng(0)
+  h = rng.normal(size=(2, 32, 16)).astype(np.float32)
+  w = (rng.normal(size=(16, 64)) / 4).astype(np.float32)
+  targets = rng.integers(0, 64, (2, 32)).astype(np.int32)
+  weights = (rng.random((2, 32)) > 0.3).astype(np.float32)
+  return h, w, targets, weights
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 32])
+def test_chunked_cross_entropy_equals_whole_logits(chunk):
+  """Loss and gradients (hidden states and head weights) of the chunked LM head + loss
+  equal those of the whole logits, with the default denominator and a given one."""
+  h, w, targets, weights = _head_problem()
+  for denominator in (None, jnp.float32(57.0)):
+    def whole(h, w):
+      return cross_entropy(h @ w, targets, weights, denominator)
+
+    def chunked(h, w):
+      return chunked_cross_entropy(lambda x: x @ w, h, targets, weights, denominator,  # noqa: B023
+                                   chunk)
+
+    ref, ref_grads = jax.jit(jax.value_and_grad(whole, argnums=(0, 1)))(h, w)
+    got, grads = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(h, w)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+      np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_cross_entropy_never_forms_the_whole_logits():
+  """With chunks of 8 no [B, T, V] = [2, 32, 64] array is in the compiled step (forward and
+  backward); with chunk 0 it is."""
+  h, w, targets, weights = _head_problem()
+
+  def hlo(chunk):
+    def loss(h, w):
+      return chunked_cross_entropy(lambda x: x @ w, h, targets, weights, None, chunk)
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).compile().as_text()
+
+  assert "f32[2,32,64]" in hlo(0)
+  assert "f32[2,32,64]" not in hlo(8) and "f32[2,8,64]" in hlo(8)
+
+
+def test_chunks_must_split_the_sequence():
+  h, w, targets, weights = _head_problem()
+  with pytest.raises(ValueError, match="32 positions do not split into chunks of 5"):
+    chunked_cross_entropy(lambda x: x @ w, h, targets, weights, None, 5)
 
 
 def test_microbatches_must_split_the_batch_over_devices():

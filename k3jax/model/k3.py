@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.model import attn_res, layers
+from k3jax.model import attn_res, embedding, layers
 from k3jax.model.axes import constrain
 from k3jax.model.kda import KDA
 from k3jax.model.latent_moe import LatentMoE, update_bias
@@ -118,11 +118,20 @@ class Cycle(nnx.Module):
     every = cfg_model.mla_every
     self.layers = nnx.List([Layer(cfg_model, "kda" if j < every - 1 else "mla", "moe", rngs=rngs)
                             for j in range(every)])
+    # model.remat_scope == "layer": each layer is its own remat region inside the cycle's
+    # (K3Model applies the cycle's), so that the cycle's backward recomputes and holds one
+    # layer's activations at a time, not all of them, for one more forward of each layer.
+    self.policy = (REMAT[cfg_model.remat] if cfg_model.remat != "none"
+                   and cfg_model.remat_scope == "layer" else None)
 
   def __call__(self, stream, segment_ids, valid):
     auxes = []
     for layer in self.layers:
-      stream, aux = layer(stream, segment_ids, valid)
+      def run(s, layer=layer):
+        return layer(s, segment_ids, valid)
+      if self.policy is not None:
+        run = jax.checkpoint(run, policy=self.policy)
+      stream, aux = run(stream)
       auxes.append(aux)
     return stream, auxes
 
@@ -134,6 +143,7 @@ class K3Model(nnx.Module):
     self.plan = plan = layer_plan(cfg_model)
     self.remat, self.scan_layers = cfg_model.remat, cfg_model.scan_layers
     self.use_attn_res = cfg_model.attn_res.enabled
+    self.scan_saves = cfg_model.attn_res.scan_saves
     self.num_slots = attn_res.num_slots_for(cfg_model.num_layers, cfg_model.attn_res.block_layers)
     d, v, pdt = cfg_model.d_model, cfg_model.vocab_size, jnp.dtype(cfg_model.param_dtype)
     self.dtype = jnp.dtype(cfg_model.dtype)
@@ -168,7 +178,18 @@ class K3Model(nnx.Module):
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array,
                media: PackedMedia | None = None):
-    """Returns (logits [B, T, vocab] in the compute dtype, aux).
+    """Returns (logits [B, T, vocab] in the compute dtype, aux): `logits` of `hidden`."""
+    h, aux = self.hidden(tokens, segment_ids, media)
+    return self.logits(h), aux
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """The LM head: h [B, T, d] (`hidden`) -> logits [B, T, vocab] in the compute dtype."""
+    return constrain(self.lm_head(h), ("batch", "seq", "vocab"))
+
+  def hidden(self, tokens: jax.Array, segment_ids: jax.Array,
+             media: PackedMedia | None = None):
+    """Returns (h [B, T, d], aux): the stack's output after the final norm, what the LM head
+    reads (the train step may apply it a chunk of the sequence at a time).
 
     media: None (text only), or the images of the batch (`embed_with_images`), whose
     features replace the placeholder tokens' embeddings.
@@ -180,7 +201,7 @@ class K3Model(nnx.Module):
     """
     valid = segment_ids > 0
     if media is None:
-      x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+      x = embedding.lookup(self.embed[...], tokens, self.dtype)
       x = constrain(x, ("batch", "seq", "embed"))
     else:
       x = self.embed_with_images(tokens, media)
@@ -202,15 +223,17 @@ class K3Model(nnx.Module):
       def body(stream, cycle_state):
         return nnx.merge(graphdef, cycle_state)(stream, segment_ids, valid)
 
-      unroll = 1 if self.scan_layers else self.plan.num_cycles
-      stream, aux["cycles"] = jax.lax.scan(self._remat(body), stream, state, unroll=unroll)
+      if self.scan_layers and self.use_attn_res and self.scan_saves == "partial":
+        stream, aux["cycles"] = attn_res.scan(self._remat(body), stream, state)
+      else:
+        unroll = 1 if self.scan_layers else self.plan.num_cycles
+        stream, aux["cycles"] = jax.lax.scan(self._remat(body), stream, state, unroll=unroll)
     for layer in self.suffix:
       stream, a = run_layer(layer, stream)
       aux["suffix"].append(a)
 
     h = attn_res.read(stream, self.out_query) if self.use_attn_res else stream
-    logits = self.lm_head(self.final_norm(h))
-    return constrain(logits, ("batch", "seq", "vocab")), aux
+    return constrain(self.final_norm(h), ("batch", "seq", "embed")), aux
 
   def embed_images(self, media: PackedMedia) -> jax.Array:
     """Vision features [max_patches // merge**2, d] of packed images / videos (compute dtype;
@@ -228,7 +251,7 @@ class K3Model(nnx.Module):
     [B, N, P*P*3], what the data pipeline gives): the tower runs on each row's buffer
     (attention never spans rows) and row b's k-th placeholder gets its feature row k.
     """
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+    x = embedding.lookup(self.embed[...], tokens, self.dtype)
     if jnp.ndim(media.patches) == 2:
       x = insert_features(x, tokens, self.embed_images(media), self.placeholder_id)
     else:

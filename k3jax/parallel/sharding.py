@@ -19,8 +19,10 @@ from k3jax.model.axes import axis_names, is_variable, logical_to_spec
 
 RULES = (
     ("batch", ("data", "fsdp", "expert")),
-    ("embed", "fsdp"),       # weights: FSDP shards the model width
-    ("latent", "fsdp"),      # LatentMoE weights, the same way
+    # weights: FSDP shards the model width over every device that holds other rows of the
+    # batch, the expert axis included (else the expert axis would hold copies of them)
+    ("embed", ("fsdp", "expert")),
+    ("latent", "fsdp"),      # routed-expert stacks (already split over expert by `experts`)
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),

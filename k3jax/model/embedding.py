@@ -1,0 +1,67 @@
+"""The input embedding lookup with the table kept where the rules store it.
+
+`jnp.take` of a table sharded over its width (`embed` -> fsdp) by tokens sharded over the
+batch is left to XLA's partitioner, which gathers the whole table to every device and, in
+the backward, scatter-adds each device's tokens into a whole fp32 [V, d] gradient before
+reducing it (k3_full: 4.4 GiB per device each way). `lookup` spells the exchange out
+under `jax.shard_map` on the mesh of `axes.use_rules`, with a device's share of the table
+[V / vocab ways, d / embed ways] the only table it ever holds:
+
+  1. all-gather the token ids over the mesh axes of `embed` (they split the batch too):
+     the ids of every device that holds another slice of the width;
+  2. look them up in the local slice (vocab split over `tensor`: rows outside the slice are
+     zero and the slices are summed) -> [rows of the group, T, d / embed ways];
+  3. all-to-all over the same axes: each device gets its own rows at full width.
+
+The backward is the same in reverse: an all-to-all of the cotangent and a scatter-add into
+the local slice (the sum over the other batch axes, `data` and `expert`, is the
+shard_map's own reduction of a replicated input's gradient).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax.model import axes
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+  """table [V, d] (logical axes vocab, embed), tokens [B, T] int -> rows [B, T, d] in `dtype`,
+  equal to `jnp.take(table, tokens, axis=0).astype(dtype)`.
+
+  Without rules, or with rules whose `embed` axes do not all split the batch, it is that
+  `jnp.take`."""
+  mesh = axes.current_mesh()
+  if mesh is None:
+    return jnp.take(table, tokens, axis=0).astype(dtype)
+  vocab, embed = (_mesh_axes(a) for a in axes.logical_to_spec(("vocab", "embed")))
+  batch = _mesh_axes(axes.logical_to_spec(("batch",))[0])
+  if not set(embed) <= set(batch) or set(vocab) & set(batch):
+    return jnp.take(table, tokens, axis=0).astype(dtype)
+
+  def local(table, tokens):
+    """table [V / vocab ways, d / embed ways]; tokens [b_loc, T] -> [b_loc, T, d]."""
+    if embed:
+      tokens = jax.lax.all_gather(tokens, embed, axis=0, tiled=True)   # [group rows, T]
+    if vocab:
+      v_loc = table.shape[0]
+      ids = tokens - jax.lax.axis_index(vocab) * v_loc
+      inside = (ids >= 0) & (ids < v_loc)
+      rows = jnp.take(table, jnp.clip(ids, 0, v_loc - 1), axis=0)
+      rows = jax.lax.psum(jnp.where(inside[..., None], rows, 0).astype(dtype), vocab)
+    else:
+      rows = jnp.take(table, tokens, axis=0).astype(dtype)             # [group rows, T, d_loc]
+    if embed:
+      rows = jax.lax.all_to_all(rows, embed, 0, 2, tiled=True)         # [b_loc, T, d]
+    return rows
+
+  rows_spec = P(batch or None, None)
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(vocab or None, embed or None), rows_spec),
+                       out_specs=P(batch or None, None, None))(table, tokens)
