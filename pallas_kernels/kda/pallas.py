@@ -472,7 +472,7 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
       where B * H * V / 64 < MIN_PROGRAMS (long sequences of few rows and heads).
     save_states: keep prep's outputs and the state entering each chunk for the backward
       (else recompute them there).
-    tuning: further `Config` fields (prep_warps, prep_precision).
+    tuning: further `Config` fields (prep_warps, prep_precision, rec_stages, bwd_warps).
 
   Returns:
     o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
