@@ -202,43 +202,48 @@ def run_fla(x, reps):
   return res
 
 
-def breakdown(shape, variants, reps, interpret=False, chunk=64):
+def breakdown(shape, variants, reps, interpret=False, chunk=64, gate_dtype="bfloat16"):
   """Times of the pieces at one shape: prep kernel (per tuning variant), rec_fwd, and the
-  backward's rec_bwd and chunk_bwd."""
+  backward's rec_bwd and chunk_bwd. gate_dtype: g's dtype ("float32" as the model's layer
+  passes it). A piece that fails to compile prints its error and the others still run."""
   import dataclasses  # noqa: PLC0415
   from pallas_kernels.kda import pallas as P  # noqa: PLC0415
   B, T, H, D = shape
   x = make_inputs(0, B, T, H, D)
   bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
-  cfg, args = P.kernel_inputs(*(bf(n) for n in ("q", "k", "v", "g", "beta")), scale=None,
+  cfg, args = P.kernel_inputs(*(bf(n) for n in ("q", "k", "v")),
+                              jnp.asarray(x["g"], gate_dtype), bf("beta"), scale=None,
                               initial_state=jnp.asarray(x["h0"]), segment_ids=None,
                               chunk_size=chunk, sub_chunk_size=16, interpret=interpret,
                               platform=None, block_v=None, save_states=True)
   q, k, v, g, beta, st0, *masks = args
-  out = {}
+
+  def timed(name, fn, fn_args):
+    try:
+      print(f"  {name}: {time_jax(jax.jit(fn), fn_args, reps):.3f} ms", flush=True)
+    except Exception as e:  # noqa: BLE001 -- report and go on to the next piece
+      print(f"  {name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+
   for name, kw in variants.items():
     c = dataclasses.replace(cfg, **kw)
-    f = jax.jit(lambda *a, c=c: P.prep_pallas(c, *a))
-    out[f"prep[{name}]"] = time_jax(f, (q, k, v, g, beta, *masks), reps)
+    timed(f"prep[{name}]", lambda *a, c=c: P.prep_pallas(c, *a), (q, k, v, g, beta, *masks))
   prep = jax.jit(lambda *a: P.prep_pallas(cfg, *a))(q, k, v, g, beta, *masks)
   do = jnp.asarray(x["do"], jnp.bfloat16).swapaxes(1, 2)
   dst = jnp.swapaxes(jnp.asarray(x["dht"]), -1, -2)
   w, _, a, qs, ks, dec = prep
   for stages in (1, 2, 3):
     c = dataclasses.replace(cfg, rec_stages=stages)
-    fwd = jax.jit(lambda *a, c=c: P.rec_fwd(c, *a, jnp.bfloat16, True))
-    out[f"rec_fwd[{stages} stages]"] = time_jax(fwd, (*prep, st0), reps)
-    bwd = jax.jit(lambda *a, c=c: P.rec_bwd(c, *a))
-    out[f"rec_bwd[{stages} stages]"] = time_jax(bwd, (w, a, qs, ks, dec, do, dst), reps)
-  _, _, states = fwd(*prep, st0)
-  dvn, dstates, _ = bwd(w, a, qs, ks, dec, do, dst)
+    timed(f"rec_fwd[{stages} stages]", lambda *a, c=c: P.rec_fwd(c, *a, jnp.bfloat16, True),
+          (*prep, st0))
+    timed(f"rec_bwd[{stages} stages]", lambda *a, c=c: P.rec_bwd(c, *a),
+          (w, a, qs, ks, dec, do, dst))
+  c1 = dataclasses.replace(cfg, rec_stages=1)
+  _, _, states = jax.jit(lambda *a: P.rec_fwd(c1, *a, jnp.bfloat16, True))(*prep, st0)
+  dvn, dstates, _ = jax.jit(lambda *a: P.rec_bwd(c1, *a))(w, a, qs, ks, dec, do, dst)
   for warps in (4, 8):
     c = dataclasses.replace(cfg, bwd_warps=warps)
-    f = jax.jit(lambda *a, c=c: P.chunk_bwd(c, *a))
-    out[f"chunk_bwd[{warps} warps]"] = time_jax(
-        f, (q, k, v, g, beta, *masks, states, dstates, do, dvn), reps)
-  for n, t in out.items():
-    print(f"  {n}: {t:.3f} ms", flush=True)
+    timed(f"chunk_bwd[{warps} warps]", lambda *a, c=c: P.chunk_bwd(c, *a),
+          (q, k, v, g, beta, *masks, states, dstates, do, dvn))
 
 
 def main():
@@ -253,12 +258,15 @@ def main():
                  help="comma list of save, recompute, bv16, bv32, bv128, c32, c16, w4, w16; "
                  "'+' combines (c16+recompute)")
   p.add_argument("--chunk", type=int, default=64, help="chunk size of --breakdown")
+  p.add_argument("--gate_dtype", default="bfloat16", help="g's dtype in --breakdown")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU)")
   p.add_argument("--breakdown", action="store_true", help="time the pieces (GPU)")
   p.add_argument("--layer", action="store_true",
                  help="time k3_small's KDA layer, kernel vs chunk form (shapes: B,T)")
+  p.add_argument("--layer_backends", default="kernel:16,chunk:32",
+                 help="with --layer: backend:chunk_size items to time")
   p.add_argument("--profile", default=None, help="with --layer: trace to this folder and "
                  "print the costliest device ops")
   p.add_argument("--prep", default="", help="prep tunings for --breakdown: w8:tf32x3,w4:tf32")
@@ -276,7 +284,7 @@ def main():
     for shape in a.shapes:
       B, T = map(int, shape.split(",")[:2])
       print(f"{B} x {T} tokens", flush=True)
-      layer(B, T, a.reps, profile=a.profile)
+      layer(B, T, a.reps, a.layer_backends.split(","), profile=a.profile)
     return
   if a.breakdown:
     preps = {}
@@ -285,7 +293,8 @@ def main():
       preps[item] = dict(prep_warps=int(w[1:]), prep_precision=prec)
     for shape in a.shapes:
       print(shape, flush=True)
-      breakdown(tuple(map(int, shape.split(","))), preps, a.reps, a.interpret, a.chunk)
+      breakdown(tuple(map(int, shape.split(","))), preps, a.reps, a.interpret, a.chunk,
+                a.gate_dtype)
     return
   rows, dump = [], {}
   for shape in a.shapes:

@@ -31,10 +31,8 @@ def get_config(arg: str | None = None):
   m.moe.shared_dim = 768
   m.moe.dispatch = "capacity"  # ragged_dot is ~60x below the matmul rate on H200
   m.attn_res.block_layers = 4
-  # The pure-JAX chunk form at 32: on the H200 the step with the Pallas kernel at chunk 16
-  # (--config.model.kda.backend=kernel --config.model.kda.chunk_size=16) is 23% slower,
-  # though the kernel alone is 4.6x faster than this form (results/kda.md, session 6)
-  m.kda.chunk_size = 32
+  # KDA: the base config's "auto" (the Triton kernel at chunk 16 on the H200): the train step
+  # takes 2583 ms vs 3736 with the pure-JAX chunk form at 32 (results/kda.md, session 7)
   # A 12-layer, 768-wide MoonViT-V2 (86M + a 6M projector), on in the "multimodal" variant
   # (a tower nothing reads would only take weight decay).
   v = m.vision

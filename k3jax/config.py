@@ -42,9 +42,13 @@ def base_config() -> ml_collections.ConfigDict:
   k.gate_rank = 128      # low-rank decay projection d -> rank -> heads*head_dim
   k.gate = "bounded"     # "bounded": lb*sigmoid(exp(A_log)(f+dt_bias)); "softplus": Kimi Linear
   k.gate_lower_bound = -5.0
-  k.chunk_size = 64
+  # Tokens per chunk of the chunked form; 0: the backend's default on the platform (the
+  # GPU kernel 16, else 64: pallas_kernels.kda.default_chunk_size). Rounding aside, the
+  # outputs do not depend on it.
+  k.chunk_size = 0
   # pallas_kernels.kda backend: chunk (pure JAX), naive, kernel (Pallas), interpret, auto
-  k.backend = "chunk"
+  # (kernel on TPU and GPU, chunk on CPU)
+  k.backend = "auto"
 
   a = m.mla = ml_collections.ConfigDict()
   a.num_heads = 96
@@ -240,6 +244,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          f"must be 'bounded' or 'softplus', got {k.gate!r}")
   _check(k.gate_lower_bound < 0, "model.kda.gate_lower_bound", "must be negative")
   _check(k.conv_size >= 1, "model.kda.conv_size", "must be >= 1")
+  _check(k.chunk_size == 0 or (k.chunk_size >= 16 and not k.chunk_size & (k.chunk_size - 1)),
+         "model.kda.chunk_size", f"must be 0 (the backend's default) or a power of two >= 16, "
+         f"got {k.chunk_size}")
   from pallas_kernels.kda import BACKENDS as KDA_BACKENDS  # noqa: PLC0415
   _check(k.backend in KDA_BACKENDS, "model.kda.backend",
          f"unknown backend {k.backend!r} (known: {', '.join(KDA_BACKENDS)})")

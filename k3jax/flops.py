@@ -39,7 +39,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import ml_collections
+
+from pallas_kernels import kda as kda_ops
 
 COMPONENTS = ("embedding", "lm_head", "kda_proj", "kda_core", "mla_proj", "mla_core",
               "dense_ffn", "moe_router", "moe_latent", "moe_routed", "moe_shared",
@@ -80,12 +83,14 @@ def flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> dict[str, flo
   f["lm_head"] = 2 * d * m.vocab_size
   k, a, e = m.kda, m.mla, m.moe
   hk = k.num_heads * k.head_dim
+  # chunk_size 0: the backend's default on this process's platform (a TPU compile from a
+  # CPU host counts the CPU's 64, which is also the TPU's)
+  chunk = k.chunk_size or kda_ops.default_chunk_size(k.backend, jax.default_backend())
   for mixer, ffn in layer_kinds(m):
     if mixer == "kda":
       f["kda_proj"] += (5 * 2 * d * hk + 2 * d * k.num_heads
                         + 2 * (d * k.gate_rank + k.gate_rank * hk) + 3 * 2 * k.conv_size * hk)
-      f["kda_core"] += k.num_heads * kda_core_flops_per_head(k.head_dim, k.head_dim,
-                                                             k.chunk_size)
+      f["kda_core"] += k.num_heads * kda_core_flops_per_head(k.head_dim, k.head_dim, chunk)
     else:
       qk = a.qk_nope_dim + a.qk_rope_dim
       f["mla_proj"] += 2 * (d * a.q_lora_rank + a.q_lora_rank * a.num_heads * qk

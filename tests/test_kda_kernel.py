@@ -15,7 +15,7 @@ import pytest
 from test_kda_ops import (DOC_LENGTHS, GRAD_NAMES, cotangents, make_inputs,
                           packed_segment_ids, rel_rms)
 
-from pallas_kernels.kda import kda, kda_chunk, kda_naive, kda_pallas
+from pallas_kernels.kda import default_chunk_size, kda, kda_chunk, kda_naive, kda_pallas
 
 RTOL_FP32 = 1e-4  # kernel vs naive, fp32, relative RMS
 # bf16 inputs vs the fp32 naive recurrence on the same (bf16-rounded) values; fla's bounds
@@ -164,15 +164,22 @@ def test_kernel_unaligned_head_dims():
 
 
 def test_dispatcher_backends():
-  """"interpret" is kda_pallas in interpret mode; "auto" is "chunk" on CPU and GPU and the
-  Mosaic kernel on TPU; the error lists every backend."""
+  """"interpret" is kda_pallas in interpret mode; "auto" is "chunk" on CPU and the kernel
+  on GPU (Triton, chunk 16 unless named) and TPU (Mosaic, chunk 64); the error lists every
+  backend."""
   q, k, v, g, beta, h0 = make_inputs(10, 1, 20, 1, 16, 16)
   trace = lambda f, **kw: str(jax.make_jaxpr(functools.partial(
       f, initial_state=h0, output_final_state=True, scale=0.3, **kw))(q, k, v, g, beta))
   assert trace(kda, backend="interpret") == trace(kda_pallas, interpret=True)
   assert trace(kda, backend="auto") == trace(kda_chunk)
-  assert trace(kda, backend="auto", platform="gpu") == trace(kda_chunk)
-  assert trace(kda, backend="auto", platform="tpu") == trace(kda_pallas, platform="tpu")
+  assert trace(kda, backend="auto", platform="gpu") == trace(kda_pallas, platform="gpu",
+                                                              chunk_size=16)
+  assert trace(kda, backend="auto", platform="gpu", chunk_size=32) == trace(
+      kda_pallas, platform="gpu", chunk_size=32)
+  assert trace(kda, backend="auto", platform="tpu") == trace(kda_pallas, platform="tpu",
+                                                              chunk_size=64)
+  assert default_chunk_size("kernel", "gpu") == 16
+  assert default_chunk_size("auto", "cpu") == default_chunk_size("kernel", "tpu") == 64
   with pytest.raises(ValueError, match="kernel.*interpret.*auto"):
     kda(q, k, v, g, beta, backend="triton")
 
@@ -183,6 +190,10 @@ def test_kernel_rejects_bad_tiles():
     kda_pallas(q, k, v, g, beta, chunk_size=48, interpret=True)
   with pytest.raises(ValueError, match="gate bound"):
     kda_pallas(q, k, v, g, beta, sub_chunk_size=32, interpret=True)
+  # Triton asks for 320 KiB of shared memory at 64 (the H200 has 227): refused up front,
+  # naming the limit, instead of failing inside XLA's compile on the GPU
+  with pytest.raises(ValueError, match="chunk_size=64: the GPU kernels run chunks of at most"):
+    kda_pallas(q, k, v, g, beta, chunk_size=64, platform="gpu")
 
 
 def test_lowers_for_cuda():

@@ -180,3 +180,25 @@ def test_causal(dispatch):
   diff = np.abs(np.asarray(a) - np.asarray(b)).max(-1)
   assert diff[0, :25].max() == 0 and diff[1].max() == 0
   assert diff[0, 25:].max() > 0
+
+
+def test_bf16_compute_reaches_the_kda_recurrence(monkeypatch):
+  """With bf16 compute and fp32 parameters, the KDA layer hands its recurrence q, k, v in
+  bf16 (the short conv's fp32 taps once promoted them, and the H200 kernel then ran its
+  matmuls in fp32, 16x slower); the gate and beta stay fp32 by design."""
+  from k3jax.model import kda as kda_layer  # noqa: PLC0415
+  seen = []
+  real = kda_layer.kda_ops.kda
+
+  def spy(q, k, v, g, beta, **kw):
+    seen.append(tuple(x.dtype for x in (q, k, v, g, beta)))
+    return real(q, k, v, g, beta, **kw)
+
+  monkeypatch.setattr(kda_layer.kda_ops, "kda", spy)
+  cfg = micro_config().model
+  cfg.dtype, cfg.param_dtype = "bfloat16", "float32"
+  layer = kda_layer.KDA(cfg, rngs=nnx.Rngs(0))
+  x = jnp.ones((1, 16, cfg.d_model), jnp.bfloat16)
+  y, _ = jax.eval_shape(layer, x, jnp.ones((1, 16), jnp.int32))
+  assert seen == [(jnp.bfloat16,) * 3 + (jnp.float32,) * 2]
+  assert y.dtype == jnp.bfloat16

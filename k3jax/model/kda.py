@@ -22,7 +22,10 @@ def short_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array) -> jax.A
   """Depthwise causal convolution that never reads across a document boundary.
 
   x: [B, T, H, D]; weight: [W, H, D] (tap j multiplies x[t - j]); segment_ids: [B, T].
+  Runs in x's dtype: fp32 weights must not promote bf16 activations (the recurrence after
+  it would run its matmuls in fp32: its chunk backward 16x slower on the H200).
   """
+  weight = weight.astype(x.dtype)
   out = x * weight[0]
   for j in range(1, weight.shape[0]):
     shifted = jnp.pad(x, ((0, 0), (j, 0), (0, 0), (0, 0)))[:, :-j]
@@ -98,7 +101,7 @@ class KDA(nnx.Module):
     beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
     spec = axes.logical_to_spec(act)   # where q/k/v live, for the kernels' shard_map
     o = kda_ops.kda(q, k, v, self.decay(x), beta, segment_ids=segment_ids,
-                    backend=self.backend, chunk_size=self.chunk_size,
+                    backend=self.backend, chunk_size=self.chunk_size or None,
                     mesh=axes.current_mesh(), batch_axis=spec[0], head_axis=spec[2])
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(
         self.gate_proj(x).astype(jnp.float32))

@@ -5,26 +5,48 @@ import jax
 
 from pallas_kernels.kda.chunk import LOWER_BOUND, kda_chunk
 from pallas_kernels.kda.naive import kda_naive
-from pallas_kernels.kda.pallas import kda_pallas, kda_pallas_sharded
+from pallas_kernels.kda.pallas import GPU_CHUNK, kda_pallas, kda_pallas_sharded
 
-__all__ = ["BACKENDS", "LOWER_BOUND", "kda", "kda_chunk", "kda_naive", "kda_pallas"]
+__all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", "kda_naive",
+           "kda_pallas"]
 
 # "kernel": the Pallas kernels compiled for the target platform (Triton on GPU, Mosaic on
 # TPU); "interpret": the same kernels in Pallas interpret mode (any device, slow);
-# "auto": "kernel" on TPU (one k3_full layer's gradient: 1.82 GiB of temporaries per chip vs
-# 8.90 for "chunk"), "chunk" elsewhere: on the H200 the kernel alone is 4.6x faster than
-# "chunk" but k3_small's KDA layer around it is slower, not yet explained
-# (benchmarks/results/kda.md, session 6).
+# "auto": "kernel" on TPU and GPU, "chunk" on CPU (benchmarks/results/kda.md: one k3_full
+# layer's gradient takes 1.82 GiB of temporaries per v5p chip vs 8.90 for "chunk"; on the
+# H200 k3_small's KDA layer runs forward+backward in 5.8 ms vs 19.2, its train step in
+# 2583 ms vs 3736).
 BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
 
 
+def resolve_backend(backend: str, platform: str) -> str:
+  """The backend "auto" stands for on platform ("gpu", "tpu", "cpu"); others unchanged."""
+  if backend != "auto":
+    return backend
+  return "kernel" if platform in ("gpu", "tpu") else "chunk"
+
+
+def default_chunk_size(backend: str, platform: str) -> int:
+  """The chunk length a backend runs at when none is named: the GPU kernel's fastest
+  (`pallas.GPU_CHUNK`), else 64 (the TPU kernel's MXU tiles; the chunk form)."""
+  backend = resolve_backend(backend, platform)
+  return GPU_CHUNK if backend == "kernel" and platform == "gpu" else 64
+
+
+def _platform(mesh, platform):
+  if platform is None:
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  return "gpu" if platform == "cuda" else platform
+
+
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
-        segment_ids=None, output_final_state=False, chunk_size=64, sub_chunk_size=16,
+        segment_ids=None, output_final_state=False, chunk_size=None, sub_chunk_size=16,
         mesh=None, batch_axis=None, head_axis=None, platform=None):
   """KDA through the named backend (one of BACKENDS).
 
-  chunk_size and sub_chunk_size apply to "chunk" and the kernels. mesh, batch_axis,
-  head_axis: where the arrays are sharded (mesh axis names, or None); the kernels then
+  chunk_size and sub_chunk_size apply to "chunk" and the kernels; chunk_size None: the
+  backend's `default_chunk_size` on the platform (the result does not depend on it beyond
+  rounding). mesh, batch_axis, head_axis: where the arrays are sharded (mesh axis names, or None); the kernels then
   run per device under `shard_map` (a Pallas call is not partitioned by XLA), the
   pure-JAX backends ignore them. platform: what the program is compiled for ("gpu",
   "tpu", "cpu"); None: the platform of the mesh's devices, else `jax.default_backend()`.
@@ -34,22 +56,20 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   """
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
-  if platform is None:
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-  platform = "gpu" if platform == "cuda" else platform
-  if backend == "auto":
-    backend = "kernel" if platform == "tpu" else "chunk"
+  platform = _platform(mesh, platform)
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")
+  chunk_size = chunk_size or default_chunk_size(backend, platform)
+  backend = resolve_backend(backend, platform)
   if backend == "chunk":
     return kda_chunk(q, k, v, g, beta, chunk_size=chunk_size,
                      sub_chunk_size=sub_chunk_size, **common)
   if backend == "naive":
     return kda_naive(q, k, v, g, beta, **common)
-  if backend in ("kernel", "interpret"):
-    interpret = backend == "interpret"
-    kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, interpret=interpret,
-                  platform="cpu" if interpret else platform)
-    if mesh is not None and (batch_axis is not None or head_axis is not None):
-      return kda_pallas_sharded(q, k, v, g, beta, mesh=mesh, batch_axis=batch_axis,
-                                head_axis=head_axis, **kernel, **common)
-    return kda_pallas(q, k, v, g, beta, **kernel, **common)
-  raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")
+  interpret = backend == "interpret"  # else "kernel"
+  kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, interpret=interpret,
+                platform="cpu" if interpret else platform)
+  if mesh is not None and (batch_axis is not None or head_axis is not None):
+    return kda_pallas_sharded(q, k, v, g, beta, mesh=mesh, batch_axis=batch_axis,
+                              head_axis=head_axis, **kernel, **common)
+  return kda_pallas(q, k, v, g, beta, **kernel, **common)

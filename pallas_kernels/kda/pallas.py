@@ -56,6 +56,10 @@ LOWER_BOUND = -5.0
 # H200, chunk 16: (1, 32768, 16, 128) forward + backward 36.3 ms at 64, 26.1 at 32, 26.5 at
 # 16; (8, 4096, 16, 128): 17.6 ms at 64 (256 programs), 18.0 at 32, 21.9 at 16.
 MIN_PROGRAMS = 256
+# The GPU kernels' chunk lengths (H200, results/kda.md, session 7): chunk_bwd holds a chunk's
+# prep and its vjp at once; at C = 32 it runs 5x slower than at 16 (register spills), at 64
+# Triton asks for 320 KiB of shared memory, over the H200's 227 KiB.
+GPU_CHUNK, GPU_MAX_CHUNK = 16, 32
 _MAX_EXPONENT = 80.0
 
 
@@ -454,7 +458,7 @@ def _pow2(n, lo=16):
 
 
 def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-               output_final_state=False, chunk_size=64, sub_chunk_size=16, interpret=False,
+               output_final_state=False, chunk_size=None, sub_chunk_size=16, interpret=False,
                platform=None, block_v=None, save_states=True, **tuning):
   """Chunked KDA through the Pallas kernels; same contract as `kda_naive`, for any T.
 
@@ -464,8 +468,9 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
       fp32 accumulation, the state and decays stay fp32 either way.
     scale, initial_state [B, H, K, V], segment_ids [B, T], output_final_state: as in
       `kda_naive`.
-    chunk_size: C, a power of two >= 16; sub_chunk_size: L, the diagonal tile length
-      (C % L == 0, |LOWER_BOUND| (L - 1) <= 80).
+    chunk_size: C, a power of two >= 16, at most GPU_MAX_CHUNK on GPU; None: GPU_CHUNK on
+      GPU, else 64. sub_chunk_size: L, the diagonal tile length (C % L == 0,
+      |LOWER_BOUND| (L - 1) <= 80).
     interpret: run the kernels in Pallas interpret mode (any device, CPU included).
     platform: "gpu" or "tpu"; None: the default backend's.
     block_v: V columns per program of the recurrence (GPU, interpret); None: 64, or 32
@@ -498,17 +503,21 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   [B, Tp, 1] and [B, N, 1, C], and the sees/last masks [B, Tp, 1]."""
   B, T, H, K = q.shape
   V = v.shape[-1]
-  C, L = chunk_size, sub_chunk_size
+  platform = platform or ("cpu" if interpret else jax.default_backend())
+  if platform == "cuda":
+    platform = "gpu"
+  C, L = chunk_size or (GPU_CHUNK if platform == "gpu" else 64), sub_chunk_size
   if C & (C - 1) or C < 16:
     raise ValueError(f"chunk_size={C} must be a power of two >= 16")
+  if platform == "gpu" and not interpret and C > GPU_MAX_CHUNK:
+    raise ValueError(f"chunk_size={C}: the GPU kernels run chunks of at most {GPU_MAX_CHUNK} "
+                     f"(at 64 the chunk backward needs more shared memory than a GPU has); "
+                     f"{GPU_CHUNK} is the fastest")
   if C % L or L & (L - 1):
     raise ValueError(f"chunk_size={C} is not a multiple of sub_chunk_size={L}, or L is not "
                      "a power of two")
   if -LOWER_BOUND * (L - 1) > _MAX_EXPONENT:
     raise ValueError(f"sub_chunk_size={L} is too long for the gate bound {LOWER_BOUND}")
-  platform = platform or ("cpu" if interpret else jax.default_backend())
-  if platform == "cuda":
-    platform = "gpu"
   Kp, Vp = _pow2(K), _pow2(V)
   if block_v is None:
     block_v = 64 if B * H * max(1, Vp // 64) >= MIN_PROGRAMS else 32
