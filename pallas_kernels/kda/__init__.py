@@ -5,7 +5,7 @@ import jax
 
 from pallas_kernels.kda.chunk import LOWER_BOUND, kda_chunk
 from pallas_kernels.kda.naive import kda_naive
-from pallas_kernels.kda.pallas import GPU_CHUNK, kda_pallas, kda_pallas_sharded
+from pallas_kernels.kda.pallas import default_chunk, kda_pallas, kda_pallas_sharded
 
 __all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", "kda_naive",
            "kda_pallas"]
@@ -27,10 +27,10 @@ def resolve_backend(backend: str, platform: str) -> str:
 
 
 def default_chunk_size(backend: str, platform: str) -> int:
-  """The chunk length a backend runs at when none is named: the GPU kernel's fastest
-  (`pallas.GPU_CHUNK`), else 64 (the TPU kernel's MXU tiles; the chunk form)."""
+  """The chunk length a backend runs at when none is named: the kernel's
+  (`pallas.default_chunk`: 16 on GPU, 64 on TPU), else 64 (the chunk form)."""
   backend = resolve_backend(backend, platform)
-  return GPU_CHUNK if backend == "kernel" and platform == "gpu" else 64
+  return default_chunk(platform) if backend == "kernel" else 64
 
 
 def _platform(mesh, platform):

@@ -60,6 +60,12 @@ MIN_PROGRAMS = 256
 # prep and its vjp at once; at C = 32 it runs 5x slower than at 16 (register spills), at 64
 # Triton asks for 320 KiB of shared memory, over the H200's 227 KiB.
 GPU_CHUNK, GPU_MAX_CHUNK = 16, 32
+
+
+def default_chunk(platform: str) -> int:
+  """The kernels' chunk length when none is named: GPU_CHUNK on GPU, else 64 (TPU's MXU
+  tiles)."""
+  return GPU_CHUNK if platform == "gpu" else 64
 _MAX_EXPONENT = 80.0
 
 
@@ -506,7 +512,7 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   platform = platform or ("cpu" if interpret else jax.default_backend())
   if platform == "cuda":
     platform = "gpu"
-  C, L = chunk_size or (GPU_CHUNK if platform == "gpu" else 64), sub_chunk_size
+  C, L = chunk_size or default_chunk(platform), sub_chunk_size
   if C & (C - 1) or C < 16:
     raise ValueError(f"chunk_size={C} must be a power of two >= 16")
   if platform == "gpu" and not interpret and C > GPU_MAX_CHUNK:
