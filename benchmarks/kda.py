@@ -202,7 +202,8 @@ def run_fla(x, reps):
   return res
 
 
-def breakdown(shape, variants, reps, interpret=False, chunk=64, gate_dtype="bfloat16"):
+def breakdown(shape, variants, reps, interpret=False, chunk=64, gate_dtype="bfloat16",
+              bwd_variants=None):
   """Times of the pieces at one shape: prep kernel (per tuning variant), rec_fwd, and the
   backward's rec_bwd and chunk_bwd. gate_dtype: g's dtype ("float32" as the model's layer
   passes it). A piece that fails to compile prints its error and the others still run."""
@@ -240,9 +241,9 @@ def breakdown(shape, variants, reps, interpret=False, chunk=64, gate_dtype="bflo
   c1 = dataclasses.replace(cfg, rec_stages=1)
   _, _, states = jax.jit(lambda *a: P.rec_fwd(c1, *a, jnp.bfloat16, True))(*prep, st0)
   dvn, dstates, _ = jax.jit(lambda *a: P.rec_bwd(c1, *a))(w, a, qs, ks, dec, do, dst)
-  for warps in (4, 8):
-    c = dataclasses.replace(cfg, bwd_warps=warps)
-    timed(f"chunk_bwd[{warps} warps]", lambda *a, c=c: P.chunk_bwd(c, *a),
+  for name, kw in (bwd_variants or {"w4": dict(bwd_warps=4), "w8": dict(bwd_warps=8)}).items():
+    c = dataclasses.replace(cfg, **kw)
+    timed(f"chunk_bwd[{name}]", lambda *a, c=c: P.chunk_bwd(c, *a),
           (q, k, v, g, beta, *masks, states, dstates, do, dvn))
 
 
@@ -270,11 +271,14 @@ def main():
   p.add_argument("--profile", default=None, help="with --layer: trace to this folder and "
                  "print the costliest device ops")
   p.add_argument("--prep", default="", help="prep tunings for --breakdown: w8:tf32x3,w4:tf32")
+  p.add_argument("--bwd", default="w4:tf32x3,w8:tf32x3",
+                 help="chunk_bwd tunings for --breakdown (warps:precision of prep's maths)")
   a = p.parse_args()
   known = {"save": dict(save_states=True), "recompute": dict(save_states=False),
            "bv16": dict(block_v=16), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
            "c32": dict(chunk_size=32),
-           "c16": dict(chunk_size=16), "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16)}
+           "c16": dict(chunk_size=16), "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16),
+           "bwdtf32": dict(bwd_precision="tf32")}
   variants = {n: dict(interpret=a.interpret) for n in a.variants.split(",")}
   for n, kw in variants.items():
     for part in n.split("+"):
@@ -287,14 +291,17 @@ def main():
       layer(B, T, a.reps, a.layer_backends.split(","), profile=a.profile)
     return
   if a.breakdown:
-    preps = {}
+    preps, bwds = {}, {}
     for item in a.prep.split(","):
       w, prec = item.split(":")
       preps[item] = dict(prep_warps=int(w[1:]), prep_precision=prec)
+    for item in a.bwd.split(","):
+      w, prec = item.split(":")
+      bwds[item] = dict(bwd_warps=int(w[1:]), bwd_precision=prec)
     for shape in a.shapes:
       print(shape, flush=True)
       breakdown(tuple(map(int, shape.split(","))), preps, a.reps, a.interpret, a.chunk,
-                a.gate_dtype)
+                a.gate_dtype, bwds)
     return
   rows, dump = [], {}
   for shape in a.shapes:

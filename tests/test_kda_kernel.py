@@ -218,6 +218,39 @@ def test_lowers_for_cuda():
   assert lowered(False).count("__gpu$xla.gpu.triton") == 6
 
 
+def _kernel_precisions(**kw):
+  """{kernel name: the precisions of its fp32 matmuls} in the GPU gradient of kda_pallas."""
+  import re  # noqa: PLC0415
+
+  from jax.extend import core as jax_core  # noqa: PLC0415
+  x = jnp.ones((1, 32, 1, 16), jnp.bfloat16)
+  beta = jnp.ones((1, 32, 1), jnp.bfloat16)
+  loss = lambda q: jnp.sum(kda_pallas(q, x, x, -jnp.ones_like(x), beta, platform="gpu",
+                                      chunk_size=16, **kw).astype(jnp.float32))
+  found = {}
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found[eqn.params["jaxpr"].debug_info.func_name] = set(re.findall(r"precision=(\w+)", str(eqn.params["jaxpr"])))
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else [value]:
+          if isinstance(sub, jax_core.ClosedJaxpr):
+            walk(sub.jaxpr)
+
+  walk(jax.make_jaxpr(jax.grad(loss))(x).jaxpr)
+  return found
+
+
+def test_backward_precision_is_its_own():
+  """On GPU, `bwd_precision` sets the chunk backward's fp32 matmuls and leaves the prep
+  kernel's (`prep_precision`) as they are; both are 3-pass TF32 by default."""
+  default, tf32 = _kernel_precisions(), _kernel_precisions(bwd_precision="tf32")
+  x3, one_pass = {"TF32_TF32_F32_X3"}, {"TF32_TF32_F32"}
+  assert default["_prep_kernel"] == default["_chunk_bwd_kernel"] == x3
+  assert tf32["_prep_kernel"] == x3 and tf32["_chunk_bwd_kernel"] == one_pass
+
+
 def test_tpu_form_matches_naive():
   """The TPU form of the recurrence (chunks on a sequential grid axis, the state in VMEM
   scratch), in interpret mode: packed documents, an initial state, T = 70; outputs, final

@@ -86,6 +86,9 @@ class Config:
   # this one's products). H200, rec_bwd at (1, 32768, 16, 128): 3.99 ms at 1, 2.15 at 3
   rec_stages: int = 3
   bwd_warps: int = 8  # chunk_bwd, H200 (8, 4096, 16, 128): 6.1 ms at 8 warps, 14.2 at 4, 30.5 at 16
+  # chunk_bwd's fp32 matmuls (prep recomputed, its vjp). H200 (8, 4096, 16, 128), 8 warps:
+  # 6.44 ms at tf32x3, 5.47 at tf32, 8.87 at ieee; tf32's gradient error there not yet measured
+  bwd_precision: str = "tf32x3"
 
   @property
   def precision(self):
@@ -98,10 +101,18 @@ class Config:
   def prep_prec(self):
     """Precision of the prep kernel's float32 matmuls (tunable on GPU; TF32 alone is too
     coarse for the cumulative decays)."""
+    return self._gpu_precision(self.prep_precision)
+
+  @property
+  def bwd_prec(self):
+    """Precision of chunk_bwd's float32 matmuls (prep recomputed and its vjp)."""
+    return self._gpu_precision(self.bwd_precision)
+
+  def _gpu_precision(self, name):
     if self.platform == "gpu" and not self.interpret:
       return {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
               "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
-              "ieee": lax.DotAlgorithmPreset.F32_F32_F32}[self.prep_precision]
+              "ieee": lax.DotAlgorithmPreset.F32_F32_F32}[name]
     return lax.Precision.HIGHEST
 
   @property
@@ -388,7 +399,7 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, 
   (w, u, a, qs, ks, dec), vjp = tile.chunk_prep_vjp(
       q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
       docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
-      mm_dtype=mm, precision=cfg.prep_prec)
+      mm_dtype=mm, precision=cfg.bwd_prec)
   st, dst = st_ref[...], dst_ref[...]  # [V, K]: entering / (cotangent) leaving the chunk
   do, dvn = do_ref[...], dvn_ref[...]
   v_new = u - tile.dot(w, st, "nt", prec, mm)  # [C, V]
@@ -483,7 +494,8 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
       where B * H * V / 64 < MIN_PROGRAMS (long sequences of few rows and heads).
     save_states: keep prep's outputs and the state entering each chunk for the backward
       (else recompute them there).
-    tuning: further `Config` fields (prep_warps, prep_precision, rec_stages, bwd_warps).
+    tuning: further `Config` fields (prep_warps, prep_precision, rec_stages, bwd_warps,
+      bwd_precision).
 
   Returns:
     o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
