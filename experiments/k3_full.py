@@ -39,11 +39,14 @@ _PRETRAIN = {"mesh.data": 1, "mesh.fsdp": 8, "mesh.expert": 128, "mesh.tensor": 
              # splash attention on TPU: no [B, H, T, T] scores (131,072 tokens need it)
              "model.mla.attention": "auto"}
 VARIANTS = {
-    # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step.
+    # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step. Fits: 85.7 GiB per
+    # chip (the smallest v5p slice that does: half of it holds 54.5 GiB of state per chip).
     "v5p-2048": dict(topology=_V5P_2048, fields=_PRETRAIN),
     # 512 Ironwood chips = 1,024 devices (one per die, 96 GiB each): the same layout.
+    # Does not fit: XLA plans 83.8 GiB of temporaries here against 54.6 on v5p (112.5 of 96).
     "tpu7x-1024": dict(topology=dict(name="tpu7x:8x8x8"), fields=_PRETRAIN),
-    # Long context without context parallelism: one 131,072-token sequence per chip.
+    # Long context without context parallelism: one 131,072-token sequence per chip. Does
+    # not fit (536.7 GiB of temporaries); 4,096 is the longest sequence that does.
     "v5p-2048-128k": dict(topology=_V5P_2048, fields={**_PRETRAIN, "train.seq_len": 131_072}),
 }
 
