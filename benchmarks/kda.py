@@ -272,7 +272,7 @@ def main():
                  "print the costliest device ops")
   p.add_argument("--prep", default="", help="prep tunings for --breakdown: w8:tf32x3,w4:tf32")
   p.add_argument("--bwd", default="w4:tf32x3,w8:tf32x3",
-                 help="chunk_bwd tunings for --breakdown (warps:precision of prep's maths)")
+                 help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
   a = p.parse_args()
   known = {"save": dict(save_states=True), "recompute": dict(save_states=False),
            "bv16": dict(block_v=16), "bv32": dict(block_v=32), "bv128": dict(block_v=128),

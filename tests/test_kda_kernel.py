@@ -232,7 +232,8 @@ def _kernel_precisions(**kw):
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "pallas_call":
-        found[eqn.params["jaxpr"].debug_info.func_name] = set(re.findall(r"precision=(\w+)", str(eqn.params["jaxpr"])))
+        kernel = eqn.params["jaxpr"]
+        found[kernel.debug_info.func_name] = set(re.findall(r"precision=(\w+)", str(kernel)))
       for value in eqn.params.values():
         for sub in value if isinstance(value, (list, tuple)) else [value]:
           if isinstance(sub, jax_core.ClosedJaxpr):
