@@ -26,7 +26,9 @@ import jax.numpy as jnp
 
 def triton_modules(chunk, dim, tuning):
   """{kernel name: Triton IR text} of the forward and backward of `kda_pallas` (bf16,
-  an fp32 gate as the model's layer passes it), lowered for CUDA."""
+  an fp32 gate as the model's layer passes it), lowered for CUDA. The module is caught at
+  JAX's private Pallas-Triton lowering hook (as of JAX 0.10.2): JAX hands XLA only its
+  bytecode."""
   from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: PLC0415
 
   from pallas_kernels.kda import kda_pallas  # noqa: PLC0415
