@@ -43,7 +43,8 @@ VARIANTS = {
     # chip (the smallest v5p slice that does: half of it holds 54.5 GiB of state per chip).
     "v5p-2048": dict(topology=_V5P_2048, fields=_PRETRAIN),
     # 512 Ironwood chips = 1,024 devices (one per die, 96 GiB each): the same layout.
-    # Does not fit: XLA plans 83.8 GiB of temporaries here against 54.6 on v5p (112.5 of 96).
+    # Does not fit with libtpu defaults (112.5 of 96 GiB); fits (87.8) with LIBTPU_INIT_ARGS=
+    # --xla_tpu_enable_latency_hiding_scheduler=false (aot_k3_full.md row J).
     "tpu7x-1024": dict(topology=dict(name="tpu7x:8x8x8"), fields=_PRETRAIN),
     # Long context without context parallelism: one 131,072-token sequence per chip. Does
     # not fit (536.7 GiB of temporaries); 4,096 is the longest sequence that does.
