@@ -202,11 +202,12 @@ def run_fla(x, reps):
   return res
 
 
-def breakdown(shape, variants, reps, interpret=False, chunk=64, gate_dtype="bfloat16",
-              bwd_variants=None):
+def breakdown(shape, variants, bwd_variants, reps, interpret=False, chunk=64,
+              gate_dtype="bfloat16"):
   """Times of the pieces at one shape: prep kernel (per tuning variant), rec_fwd, and the
-  backward's rec_bwd and chunk_bwd. gate_dtype: g's dtype ("float32" as the model's layer
-  passes it). A piece that fails to compile prints its error and the others still run."""
+  backward's rec_bwd and chunk_bwd (per tuning variant in bwd_variants). gate_dtype: g's
+  dtype ("float32" as the model's layer passes it). A piece that fails to compile prints its
+  error and the others still run."""
   import dataclasses  # noqa: PLC0415
   from pallas_kernels.kda import pallas as P  # noqa: PLC0415
   B, T, H, D = shape
@@ -241,7 +242,7 @@ def breakdown(shape, variants, reps, interpret=False, chunk=64, gate_dtype="bflo
   c1 = dataclasses.replace(cfg, rec_stages=1)
   _, _, states = jax.jit(lambda *a: P.rec_fwd(c1, *a, jnp.bfloat16, True))(*prep, st0)
   dvn, dstates, _ = jax.jit(lambda *a: P.rec_bwd(c1, *a))(w, a, qs, ks, dec, do, dst)
-  for name, kw in (bwd_variants or {"w4": dict(bwd_warps=4), "w8": dict(bwd_warps=8)}).items():
+  for name, kw in bwd_variants.items():
     c = dataclasses.replace(cfg, **kw)
     timed(f"chunk_bwd[{name}]", lambda *a, c=c: P.chunk_bwd(c, *a),
           (q, k, v, g, beta, *masks, states, dstates, do, dvn))
@@ -270,7 +271,8 @@ def main():
                  help="with --layer: backend:chunk_size items to time")
   p.add_argument("--profile", default=None, help="with --layer: trace to this folder and "
                  "print the costliest device ops")
-  p.add_argument("--prep", default="", help="prep tunings for --breakdown: w8:tf32x3,w4:tf32")
+  p.add_argument("--prep", default="w4:tf32x3",
+                 help="prep tunings for --breakdown: warps:prep_precision items")
   p.add_argument("--bwd", default="w4:tf32x3,w8:tf32x3",
                  help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
   a = p.parse_args()
@@ -291,17 +293,14 @@ def main():
       layer(B, T, a.reps, a.layer_backends.split(","), profile=a.profile)
     return
   if a.breakdown:
-    preps, bwds = {}, {}
-    for item in a.prep.split(","):
-      w, prec = item.split(":")
-      preps[item] = dict(prep_warps=int(w[1:]), prep_precision=prec)
-    for item in a.bwd.split(","):
-      w, prec = item.split(":")
-      bwds[item] = dict(bwd_warps=int(w[1:]), bwd_precision=prec)
+    def tunings(spec, kernel):  # "w4:tf32x3,w8:tf32" -> {item: {kernel_warps, kernel_precision}}
+      return {item: {f"{kernel}_warps": int(item.split(":")[0][1:]),
+                     f"{kernel}_precision": item.split(":")[1]} for item in spec.split(",")}
+
     for shape in a.shapes:
       print(shape, flush=True)
-      breakdown(tuple(map(int, shape.split(","))), preps, a.reps, a.interpret, a.chunk,
-                a.gate_dtype, bwds)
+      breakdown(tuple(map(int, shape.split(","))), tunings(a.prep, "prep"),
+                tunings(a.bwd, "bwd"), a.reps, a.interpret, a.chunk, a.gate_dtype)
     return
   rows, dump = [], {}
   for shape in a.shapes:

@@ -59,6 +59,18 @@ def set_field(cfg, dotted: str, value):
   return cfg
 
 
+def jaxpr_eqns(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs inside its equations' parameters (scan and
+  remat bodies, custom-vjp rules, Pallas kernels), depth first."""
+  from jax.extend import core as jax_core  # noqa: PLC0415
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
+          yield from jaxpr_eqns(getattr(sub, "jaxpr", sub))
+
+
 def random_model(cfg_model, seed: int = 0, model_cls=None):
   """A model whose every variable is random (numpy; no XLA init compile): gains near 1,
   matrices ~ 1/sqrt(fan-in), AttnRes queries and balancing biases non-zero so that

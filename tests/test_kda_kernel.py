@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jaxpr_eqns
 from test_kda_ops import (DOC_LENGTHS, GRAD_NAMES, cotangents, make_inputs,
                           packed_segment_ids, rel_rms)
 
@@ -221,26 +222,14 @@ def test_lowers_for_cuda():
 def _kernel_precisions(**kw):
   """{kernel name: the precisions of its fp32 matmuls} in the GPU gradient of kda_pallas."""
   import re  # noqa: PLC0415
-
-  from jax.extend import core as jax_core  # noqa: PLC0415
   x = jnp.ones((1, 32, 1, 16), jnp.bfloat16)
   beta = jnp.ones((1, 32, 1), jnp.bfloat16)
   loss = lambda q: jnp.sum(kda_pallas(q, x, x, -jnp.ones_like(x), beta, platform="gpu",
                                       chunk_size=16, **kw).astype(jnp.float32))
-  found = {}
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        kernel = eqn.params["jaxpr"]
-        found[kernel.debug_info.func_name] = set(re.findall(r"precision=(\w+)", str(kernel)))
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (list, tuple)) else [value]:
-          if isinstance(sub, jax_core.ClosedJaxpr):
-            walk(sub.jaxpr)
-
-  walk(jax.make_jaxpr(jax.grad(loss))(x).jaxpr)
-  return found
+  return {e.params["jaxpr"].debug_info.func_name:
+          set(re.findall(r"precision=(\w+)", str(e.params["jaxpr"])))
+          for e in jaxpr_eqns(jax.make_jaxpr(jax.grad(loss))(x).jaxpr)
+          if e.primitive.name == "pallas_call"}
 
 
 def test_backward_precision_is_its_own():

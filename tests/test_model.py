@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import micro_config, random_model
+from conftest import jaxpr_eqns, micro_config, random_model
 from flax import nnx
 
 from k3jax import config as k3config
@@ -209,26 +209,16 @@ def test_bf16_model_runs_fp32_matmuls_only_where_meant():
   design: the pure-JAX KDA chunk form (it upcasts), AttnRes's depth softmax, the router and
   the MoE combine. Anything else means a parameter or an upcast leaked into the compute
   dtype (as the short conv once did)."""
-  from jax.extend import core as jcore  # noqa: PLC0415
   cfg = micro_config().model
   cfg.dtype = "bfloat16"
   model = K3Model(cfg, rngs=nnx.Rngs(0))
   tokens, seg = jnp.zeros((2, 32), jnp.int32), jnp.ones((2, 32), jnp.int32)
   jaxpr = jax.make_jaxpr(lambda t, s: model(t, s))(tokens, seg).jaxpr
   where = set()
-
-  def walk(j):
-    for e in j.eqns:
-      if e.primitive.name == "dot_general" and any(
-          v.aval.dtype == jnp.float32 for v in e.invars):
-        frames = [f.file_name for f in e.source_info.traceback.frames
-                  if ("k3jax/" in f.file_name or "pallas_kernels/" in f.file_name)
-                  and not f.file_name.endswith("layers.py")]  # Dense: who called it
-        where.add(frames[0].rsplit("/", 1)[-1])
-      for p in e.params.values():
-        for sub in p if isinstance(p, (list, tuple)) else [p]:
-          if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-            walk(getattr(sub, "jaxpr", sub))
-
-  walk(jaxpr)
+  for e in jaxpr_eqns(jaxpr):
+    if e.primitive.name == "dot_general" and any(v.aval.dtype == jnp.float32 for v in e.invars):
+      frames = [f.file_name for f in e.source_info.traceback.frames
+                if ("k3jax/" in f.file_name or "pallas_kernels/" in f.file_name)
+                and not f.file_name.endswith("layers.py")]  # Dense: who called it
+      where.add(frames[0].rsplit("/", 1)[-1])
   assert where and where <= {"chunk.py", "attn_res.py", "latent_moe.py", "moe_dispatch.py"}
