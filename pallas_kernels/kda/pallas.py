@@ -93,9 +93,7 @@ class Config:
   @property
   def precision(self):
     """Precision of float32 matmuls: 3-pass TF32 on GPU tensor cores, else full fp32."""
-    if self.platform == "gpu" and not self.interpret:
-      return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return lax.Precision.HIGHEST
+    return self._gpu_precision("tf32x3")
 
   @property
   def prep_prec(self):
@@ -109,6 +107,7 @@ class Config:
     return self._gpu_precision(self.bwd_precision)
 
   def _gpu_precision(self, name):
+    """The named GPU algorithm ("tf32x3", "tf32", "ieee") on GPU; HIGHEST elsewhere."""
     if self.platform == "gpu" and not self.interpret:
       return {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
               "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32,
