@@ -80,9 +80,10 @@ def jax_fns(impl):
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def run_ours(x, variants, reps, impl=kda_pallas):
+def run_ours(x, variants, reps, impl=kda_pallas, gate_dtype="bfloat16"):
   bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
-  args = [bf(n) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(x["h0"])]
+  args = [bf(n) for n in ("q", "k", "v")] + [jnp.asarray(x["g"], gate_dtype), bf("beta"),
+                                               jnp.asarray(x["h0"])]
   cots = [bf("do"), jnp.asarray(x["dht"])]
   results = {}
   for name, kw in variants.items():
@@ -159,10 +160,12 @@ def costliest_ops(folder, top=15):
   return rows[:top]
 
 
-def run_reference(x):
-  """kda_chunk in fp32 on the bf16-rounded inputs (the bf16 kernels' exact target)."""
-  up = lambda n: jnp.asarray(jnp.asarray(x[n], jnp.bfloat16), jnp.float32)
-  args = [up(n) for n in ("q", "k", "v", "g", "beta")] + [jnp.asarray(x["h0"])]
+def run_reference(x, gate_dtype="bfloat16"):
+  """kda_chunk in fp32 on the inputs as the kernels get them (bf16-rounded, g in gate_dtype):
+  the kernels' exact target."""
+  up = lambda n, dt="bfloat16": jnp.asarray(jnp.asarray(x[n], dt), jnp.float32)
+  args = [up(n) for n in ("q", "k", "v")] + [up("g", gate_dtype), up("beta"),
+                                             jnp.asarray(x["h0"])]
   cots = [up("do"), jnp.asarray(x["dht"])]
   _, fwd_bwd = jax_fns(kda_chunk)
   (o, st), grads = fwd_bwd(*args, *cots)
@@ -260,7 +263,9 @@ def main():
                  help="comma list of save, recompute, bv16, bv32, bv128, c32, c16, w4, w16; "
                  "'+' combines (c16+recompute)")
   p.add_argument("--chunk", type=int, default=64, help="chunk size of --breakdown")
-  p.add_argument("--gate_dtype", default="bfloat16", help="g's dtype in --breakdown")
+  p.add_argument("--gate_dtype", default="bfloat16",
+                 help="g's dtype for our kernels and the reference (float32 as the model's "
+                      "layer passes it); fla always gets bf16")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU)")
@@ -280,7 +285,7 @@ def main():
            "bv16": dict(block_v=16), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
            "c32": dict(chunk_size=32),
            "c16": dict(chunk_size=16), "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16),
-           "bwdtf32": dict(bwd_precision="tf32")}
+           "bwdtf32": dict(bwd_precision="tf32"), "preptf32": dict(prep_precision="tf32")}
   variants = {n: dict(interpret=a.interpret) for n in a.variants.split(",")}
   for n, kw in variants.items():
     for part in n.split("+"):
@@ -307,7 +312,8 @@ def main():
     B, T, H, D = map(int, shape.split(","))
     x = make_inputs(0, B, T, H, D)
     t0 = time.time()
-    impls = {f"ours[{n}]": r for n, r in run_ours(x, variants, a.reps).items()}
+    impls = {f"ours[{n}]": r
+             for n, r in run_ours(x, variants, a.reps, gate_dtype=a.gate_dtype).items()}
     print(f"{shape}: ours done ({time.time() - t0:.0f} s): " + ", ".join(
         f"{n} fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms"
         for n, r in impls.items()), flush=True)
@@ -320,7 +326,7 @@ def main():
     if a.chunk_form:
       impls["chunk form (XLA, bf16, chunk 32)"] = run_chunk_form(x, a.reps)
     if a.reference:
-      refs["ref32"] = run_reference(x)
+      refs["ref32"] = run_reference(x, a.gate_dtype)
     fl = flops(B, T, H, D)
     for name, r in impls.items():
       agree = {}

@@ -234,11 +234,11 @@ def _kernel_precisions(**kw):
 
 def test_backward_precision_is_its_own():
   """On GPU, `bwd_precision` sets the chunk backward's fp32 matmuls and leaves the prep
-  kernel's (`prep_precision`) as they are; both are 3-pass TF32 by default."""
-  default, tf32 = _kernel_precisions(), _kernel_precisions(bwd_precision="tf32")
+  kernel's (`prep_precision`) as they are; both are 1-pass TF32 by default."""
+  default, x3_bwd = _kernel_precisions(), _kernel_precisions(bwd_precision="tf32x3")
   x3, one_pass = {"TF32_TF32_F32_X3"}, {"TF32_TF32_F32"}
-  assert default["_prep_kernel"] == default["_chunk_bwd_kernel"] == x3
-  assert tf32["_prep_kernel"] == x3 and tf32["_chunk_bwd_kernel"] == one_pass
+  assert default["_prep_kernel"] == default["_chunk_bwd_kernel"] == one_pass
+  assert x3_bwd["_prep_kernel"] == one_pass and x3_bwd["_chunk_bwd_kernel"] == x3
 
 
 def test_tpu_form_matches_naive():

@@ -81,14 +81,17 @@ class Config:
   platform: str  # "gpu", "tpu" or "cpu" (interpret)
   save_states: bool = True  # False: the backward reruns rec_fwd for the chunk states
   prep_warps: int = 4  # measured on the H200: 4 warps twice as fast as 8
-  prep_precision: str = "tf32x3"  # GPU fp32 matmuls in prep: "tf32x3", "tf32" or "ieee"
+  # GPU fp32 matmuls of prep ("tf32x3", "tf32" or "ieee"). H200 (8, 4096, 16, 128), chunk 16,
+  # fp32 gate: prep 0.80 ms at tf32, 1.24 at tf32x3; errors against the fp32 reference equal
+  # to two digits at chunks 16 and 32 (results/kda.md, session 9)
+  prep_precision: str = "tf32"
   # Triton pipelining stages of the recurrences' chunk loop (the next chunk's loads overlap
   # this one's products). H200, rec_bwd at (1, 32768, 16, 128): 3.99 ms at 1, 2.15 at 3
   rec_stages: int = 3
   bwd_warps: int = 8  # chunk_bwd, H200 (8, 4096, 16, 128): 6.1 ms at 8 warps, 14.2 at 4, 30.5 at 16
   # chunk_bwd's fp32 matmuls (prep recomputed, its vjp). H200 (8, 4096, 16, 128), 8 warps:
-  # 6.44 ms at tf32x3, 5.47 at tf32, 8.87 at ieee; tf32's gradient error there not yet measured
-  bwd_precision: str = "tf32x3"
+  # 5.33 ms at tf32, 6.32 at tf32x3, 8.87 at ieee; gradients as accurate (session 9)
+  bwd_precision: str = "tf32"
 
   @property
   def precision(self):
@@ -97,8 +100,7 @@ class Config:
 
   @property
   def prep_prec(self):
-    """Precision of the prep kernel's float32 matmuls (tunable on GPU; TF32 alone is too
-    coarse for the cumulative decays)."""
+    """Precision of the prep kernel's float32 matmuls (tunable on GPU)."""
     return self._gpu_precision(self.prep_precision)
 
   @property
