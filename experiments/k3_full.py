@@ -42,10 +42,12 @@ VARIANTS = {
     # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step. Fits: 85.7 GiB per
     # chip (the smallest v5p slice that does: half of it holds 54.5 GiB of state per chip).
     "v5p-2048": dict(topology=_V5P_2048, fields=_PRETRAIN),
-    # 512 Ironwood chips = 1,024 devices (one per die, 96 GiB each): the same layout.
-    # Does not fit with libtpu defaults (112.5 of 96 GiB); fits (87.8) with LIBTPU_INIT_ARGS=
-    # --xla_tpu_enable_latency_hiding_scheduler=false (aot_k3_full.md row J).
-    "tpu7x-1024": dict(topology=dict(name="tpu7x:8x8x8"), fields=_PRETRAIN),
+    # 512 Ironwood chips = 1,024 devices (one per die, 96 GiB each): the same layout, with
+    # XLA's latency-hiding scheduler off: it fits (87.8 of 96 GiB, aot_k3_full.md row K);
+    # with it on, the collectives it overlaps hold 112.5 GiB (row I). What the lost overlap
+    # costs in step time can only be measured on Ironwood.
+    "tpu7x-1024": dict(topology=dict(name="tpu7x:8x8x8"), fields={
+        **_PRETRAIN, "train.xla_options": "xla_tpu_enable_latency_hiding_scheduler=false"}),
     # Long context without context parallelism: one 131,072-token sequence per chip. Does
     # not fit (536.7 GiB of temporaries); 4,096 is the longest sequence that does.
     "v5p-2048-128k": dict(topology=_V5P_2048, fields={**_PRETRAIN, "train.seq_len": 131_072}),

@@ -128,6 +128,11 @@ def base_config() -> ml_collections.ConfigDict:
                          # slices per step; the same update in a slice's activation memory
   t.loss_chunk = 0       # > 0: the LM head + loss over this many positions at a time (under
                          # remat: no [T, vocab] logits); must divide seq_len. 0: all at once
+  # XLA compiler options of the train and eval steps, "name=value" items split by commas or
+  # spaces. One named xla_tpu_* / xla_gpu_* / xla_cpu_* applies on that platform only (the
+  # same config runs anywhere); any other applies everywhere. Checked against the compiler
+  # when the program is built (`xla_options`).
+  t.xla_options = ""
   t.steps = 100_000
   t.log_every = 10
   t.eval_every = 1_000
@@ -215,6 +220,25 @@ RESTORE_FIELDS = (
 
 class ConfigError(ValueError):
   """An impossible or unknown configuration setting."""
+
+
+_PLATFORM_PREFIXES = ("xla_tpu_", "xla_gpu_", "xla_cpu_")
+
+
+def xla_options(spec: str, platform: str) -> dict[str, str]:
+  """{name: value} of the "name=value" items of `spec` (config.train.xla_options) that apply
+  on `platform` ("tpu", "gpu", "cpu"; "any": all of them). ConfigError for an item that is
+  not an `xla_*=value` pair."""
+  options = {}
+  for item in spec.replace(",", " ").split():
+    name, eq, value = item.lstrip("-").partition("=")
+    _check(bool(eq and value) and name.startswith("xla_"), "train.xla_options",
+           f"{item!r} is not an XLA option as name=value (e.g. "
+           "xla_tpu_enable_latency_hiding_scheduler=false)")
+    prefix = next((p for p in _PLATFORM_PREFIXES if name.startswith(p)), None)
+    if platform == "any" or prefix is None or prefix == f"xla_{platform}_":
+      options[name] = value
+  return options
 
 
 def _check(ok: bool, field: str, msg: str):
@@ -308,6 +332,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(t.loss_chunk >= 0 and (t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0),
          "train.loss_chunk", f"{t.loss_chunk} must be 0 or a positive divisor of "
          f"train.seq_len={t.seq_len}")
+  xla_options(t.xla_options, "any")  # its syntax; the names when the program is built
   _check(t.checkpoint_every >= 1, "train.checkpoint_every",
          f"must be >= 1, got {t.checkpoint_every}")
   _check(t.keep_checkpoint_every >= 0 and t.keep_checkpoint_every % t.checkpoint_every == 0,

@@ -20,12 +20,14 @@ import json
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from k3jax import optim, parallel
-from k3jax.config import ConfigError
+from k3jax.config import ConfigError, xla_options
 from k3jax.data import MediaSpec, feature_shapes
 from k3jax.model import K3Model, axes
 from k3jax.steps import make_steps
@@ -115,13 +117,31 @@ def build(cfg, mesh: Mesh) -> Program:
       jax.eval_shape(init), state_sh)
   train_step, eval_step = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau,
                                      microbatches=t.microbatches, loss_chunk=t.loss_chunk)
+  options = compiler_options(t.xla_options, mesh)
   return Program(
       cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
       abstract_params=abs_params, state_shardings=state_sh, abstract_state=abstract_state,
       batch_sharding=NamedSharding(mesh, parallel.batch_spec()), init=init,
       train_step=jax.jit(train_step, donate_argnums=(0, 1, 2),
-                         out_shardings=(*state_sh, None)),
-      eval_step=jax.jit(eval_step))
+                         out_shardings=(*state_sh, None), compiler_options=options),
+      eval_step=jax.jit(eval_step, compiler_options=options))
+
+
+def compiler_options(spec: str, mesh: Mesh) -> dict[str, str] | None:
+  """The options of config.train.xla_options that apply on `mesh`'s platform, checked by
+  compiling a scalar program on the mesh with them: ConfigError naming an option that
+  platform's XLA does not know (before the real compile, which can take an hour)."""
+  platform = mesh.devices.flat[0].platform
+  options = xla_options(spec, platform)
+  if not options:
+    return None
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
+  try:
+    jax.jit(lambda x: x + 1, compiler_options=options).lower(scalar).compile()
+  except Exception as e:  # noqa: BLE001  (XLA raises its runtime error type)
+    raise ConfigError(f"config.train.xla_options: XLA on {platform} refuses {options} "
+                      f"({str(e).splitlines()[0]})") from None
+  return options
 
 
 # Config fields that change nothing the program computes (logging, evaluation and

@@ -134,6 +134,30 @@ def test_a_one_slice_pod_is_one_slice():
   assert dict(mesh.shape)["fsdp"] == 16 and set(parallel.slices_along(mesh).values()) == {1}
 
 
+def test_xla_options_reach_the_tpu_compiler():
+  """config.train.xla_options is compiled into the steps: with XLA:TPU's latency-hiding
+  scheduler off (what fits k3_full:tpu7x-1024) the eval step of a v5p fsdp mesh compiles to
+  another program than with the defaults (XLA's compile is deterministic). An option that
+  XLA:TPU does not know is refused when the program is built, naming the field; a TPU
+  option is left out on a CPU mesh."""
+  mesh = tpu_mesh(parallel.MESH_AXES, (1, 4, 1, 1))
+
+  def eval_program(options):
+    cfg = micro_config()
+    cfg.train.xla_options = options
+    prog = program.build(k3config.validate(cfg), mesh)
+    with prog.rules():
+      return prog.eval_step.lower(*prog.abstract_state[:2], prog.abstract_batch()).compile()
+
+  default, lhs_off = (eval_program(o) for o in ("", "xla_tpu_enable_latency_hiding_scheduler=false"))
+  assert default.as_text() != lhs_off.as_text()
+  with pytest.raises(k3config.ConfigError, match=r"config.train.xla_options: XLA on tpu refuses "
+                     r".*xla_tpu_no_such_option"):
+    eval_program("xla_tpu_no_such_option=1")
+  cpu_mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("data",))
+  assert program.compiler_options("xla_tpu_no_such_option=1", cpu_mesh) is None
+
+
 @pytest.mark.parametrize("name", sorted(k3_full.VARIANTS))
 def test_k3_full_variant_tiles_its_slice_and_holds_its_state(name):
   """A named variant (`--config=experiments/k3_full.py:<name>`) is a valid config whose

@@ -51,6 +51,8 @@ def test_experiments_validate(name):
     ("train.loss_chunk", 1000, "train.loss_chunk"),
     ("train.keep_checkpoint_every", 1500, "train.keep_checkpoint_every"),
     ("data.source", "files", "config.data.sources"),
+    ("train.xla_options", "latency_hiding=false", "train.xla_options: 'latency_hiding=false'"),
+    ("train.xla_options", "xla_tpu_foo", "train.xla_options: 'xla_tpu_foo' is not"),
     ("data.tokenizer.kind", "wordpiece", "config.data.tokenizer"),
 ])
 def test_impossible_settings_name_the_field(field, value, match):
@@ -89,3 +91,13 @@ def test_params_cli_last_line_is_json():
   assert r.returncode == 0, r.stderr
   out = json.loads(r.stdout.strip().splitlines()[-1])
   assert 1e9 <= out["total"] <= 3e9 and out["active"] < out["total"]
+
+
+def test_xla_options_apply_on_their_platform():
+  """An xla_tpu_* / xla_gpu_* / xla_cpu_* option reaches only its platform's compiler, any
+  other every platform's; commas or spaces split them, leading dashes are allowed."""
+  spec = "--xla_tpu_a=false, xla_gpu_b=2 xla_dump_to=/tmp/x"
+  assert k3config.xla_options(spec, "tpu") == {"xla_tpu_a": "false", "xla_dump_to": "/tmp/x"}
+  assert k3config.xla_options(spec, "gpu") == {"xla_gpu_b": "2", "xla_dump_to": "/tmp/x"}
+  assert k3config.xla_options(spec, "cpu") == {"xla_dump_to": "/tmp/x"}
+  assert k3config.xla_options("", "tpu") == {}
