@@ -12,6 +12,11 @@ parameters and x ("fwd+bwd"):
             latent norm, up-projection, shared experts;
   experts   the three expert matmuls alone on the layer's own buffer shape
             ([E, rows, C, L] for "capacity", sorted rows for "dropless");
+  experts, bf16 weights   (capacity) the same on weights already in bf16: without the
+            per-call fp32 -> bf16 cast of the expert weights (and its transpose for the
+            gradients);
+  matmuls alone   (capacity) bf16 weights and a bare product g * v for the GLU: the three
+            batched matmuls at the layer's shapes, the ceiling of this layout;
   dispatch  the dispatch alone: the layer's gathers into buffers and back and the weighted
             combine, with identity experts (capacity), or the sort and unsort (dropless);
             compiled on its own, so XLA may fuse it differently than inside the layer;
@@ -108,9 +113,13 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
   else:
     capacity = max(1, math.ceil(e.capacity_factor * seq * k / n_exp))
     buf = jax.random.normal(kz, (n_exp, rows, capacity, lat), dtype)
-    parts["experts"] = (
-        lambda w, b: moe_dispatch.batched_glu_experts(w["g"], w["u"], w["d"], act, dtype)(b),
-        w, buf, useful, n_exp * rows * capacity * per_pair)
+    issued = n_exp * rows * capacity * per_pair
+    w16 = {name: a.astype(dtype) for name, a in w.items()}
+    for name, glu, ws in (("experts", act, w), ("experts, bf16 weights", act, w16),
+                          ("matmuls alone", lambda g, v: g * v, w16)):
+      parts[name] = (
+          lambda w, b, glu=glu: moe_dispatch.batched_glu_experts(
+              w["g"], w["u"], w["d"], glu, dtype)(b), ws, buf, useful, issued)
     parts["dispatch"] = (
         lambda _, z: moe_dispatch.capacity_moe(z, idx, weights, lambda b: b, n_exp, rows,
                                                capacity)[0],
