@@ -276,9 +276,9 @@ def main():
                  help="with --layer: backend:chunk_size items to time")
   p.add_argument("--profile", default=None, help="with --layer: trace to this folder and "
                  "print the costliest device ops")
-  p.add_argument("--prep", default="w4:tf32x3",
+  p.add_argument("--prep", default="w4:tf32,w4:tf32x3",
                  help="prep tunings for --breakdown: warps:prep_precision items")
-  p.add_argument("--bwd", default="w4:tf32x3,w8:tf32x3",
+  p.add_argument("--bwd", default="w8:tf32,w8:tf32x3",
                  help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
   a = p.parse_args()
   known = {"save": dict(save_states=True), "recompute": dict(save_states=False),

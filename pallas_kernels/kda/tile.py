@@ -83,7 +83,9 @@ class _Frame:
     self.e = self.masked_sum(self.span, g)
 
   def masked_sum(self, mask, x):
-    """[C, C] mask, [C, d] x -> sum_j mask[t, j] x[j] in float32 at full precision."""
+    """[C, C] mask, [C, d] x -> sum_j mask[t, j] x[j] in float32 at the kernel's precision
+    (on the H200 single-pass TF32 left the errors of an fp32 gate unchanged at chunks 16
+    and 32: results/kda.md, session 9)."""
     return dot(mask.astype(F32), x, "nn", self.precision)
 
   def score_parts(self, k):
@@ -181,8 +183,7 @@ def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm
   Returns (outputs, vjp): `vjp(dw, du, da, dq_s, dk_s, ddec)` (the cotangents of the six
   outputs) gives float32 dq, dk [C, K], dv [C, V], dg [C, K], dbeta [C, 1]. The score
   products' gradients multiply the float32 cotangent by the operands rounded to mm_dtype
-  (float32 products at `precision`: single-pass TF32 instead of 3-pass saved 3% of the
-  backward kernel's time on the H200, not worth a second precision).
+  (float32 products at `precision`).
   """
   outs, sv = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
                       precision)
