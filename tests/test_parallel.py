@@ -133,6 +133,19 @@ def test_impossible_meshes_are_refused(sizes, field):
     parallel.make_mesh(cfg.mesh)
 
 
+def test_axes_that_do_not_lay_out_on_the_torus_are_named():
+  """On a v5p 4x4x4 slice an axis of 8 chips would split a physical axis of 4: refused
+  with the sizes and the torus named (JAX's own error is a NotImplementedError)."""
+  from tpu_aot import tpu_devices  # noqa: PLC0415
+  devices = tpu_devices("v5p:4x4x4")
+  cfg = _mesh_cfg(data=1, fsdp=8, expert=8)
+  with pytest.raises(ConfigError, match=r"config.mesh: the axes .*'fsdp': 8, 'expert': 8.* "
+                     r"do not lay out on its 64 TPU v5 devices \(chips 4 x 4 x 4\)"):
+    parallel.make_mesh(cfg.mesh, devices)
+  cfg = _mesh_cfg(data=1, fsdp=16, expert=4)
+  assert dict(parallel.make_mesh(cfg.mesh, devices).shape)["fsdp"] == 16
+
+
 def test_heads_and_experts_that_do_not_divide_are_named():
   cfg = _mesh_cfg(tensor=4)          # micro KDA/MLA have 2 heads
   with pytest.raises(ConfigError, match=r"config.mesh.tensor: 4 does not divide "

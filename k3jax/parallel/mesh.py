@@ -21,6 +21,7 @@ part and a collective over a DCN-free axis never leaves its slice. Slices are th
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -103,8 +104,9 @@ def make_mesh(cfg_mesh: ml_collections.ConfigDict,
   if len(groups) == 1 or (devices[0].platform != "tpu" and across == 1):
     # One slice (or GPU/CPU processes without a DCN split asked for): one ICI mesh.
     dcn_shape(cfg_mesh, sizes, 1)
-    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices=devices,
-                         axis_types=axis_types)
+    with _named_layout_error(sizes, groups[0]):
+      return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices=devices,
+                           axis_types=axis_types)
   dcn = dcn_shape(cfg_mesh, sizes, len(groups))
   per_slice = {len(g) for g in groups}
   if len(per_slice) > 1:
@@ -113,11 +115,29 @@ def make_mesh(cfg_mesh: ml_collections.ConfigDict,
   ici = tuple(sizes[a] // dcn[a] for a in MESH_AXES)
   # Within a slice, the arrangement jax.make_mesh gives one slice (it splits physical axes
   # of v5e only).
-  array = mesh_utils.create_hybrid_device_mesh(
-      ici, tuple(dcn[a] for a in MESH_AXES), devices,
-      process_is_granule=not hasattr(devices[0], "slice_index"),
-      allow_split_physical_axes=devices[0].device_kind in ("TPU v5 lite", "TPU v5e"))
+  with _named_layout_error(dict(zip(MESH_AXES, ici)), groups[0]):
+    array = mesh_utils.create_hybrid_device_mesh(
+        ici, tuple(dcn[a] for a in MESH_AXES), devices,
+        process_is_granule=not hasattr(devices[0], "slice_index"),
+        allow_split_physical_axes=devices[0].device_kind in ("TPU v5 lite", "TPU v5e"))
   return Mesh(np.asarray(array), MESH_AXES, axis_types=axis_types)
+
+
+@contextlib.contextmanager
+def _named_layout_error(ici: dict[str, int], slice_devices: Sequence[jax.Device]):
+  """ConfigError naming the per-slice axis sizes and the slice's physical torus when JAX
+  cannot lay the axes onto it (a TPU axis must be a product of whole physical axes)."""
+  try:
+    yield
+  except (NotImplementedError, ValueError) as e:
+    coords = [d.coords for d in slice_devices if hasattr(d, "coords")]
+    torus = " x ".join(str(max(c) + 1) for c in zip(*coords)) if coords else "?"
+    raise ConfigError(
+        f"config.mesh: the axes {ici} within a slice do not lay out on its "
+        f"{len(slice_devices)} {slice_devices[0].device_kind} devices (chips {torus}): each "
+        f"axis must be a product of whole physical axes; choose sizes that are, or move a "
+        f"factor across slices (mesh.dcn_*) ({type(e).__name__}: {str(e).splitlines()[0]})"
+    ) from None
 
 
 def slices_along(mesh: Mesh) -> dict[str, int]:
