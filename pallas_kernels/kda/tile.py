@@ -182,14 +182,16 @@ def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm
 
   Returns (outputs, vjp): `vjp(dw, du, da, dq_s, dk_s, ddec)` (the cotangents of the six
   outputs) gives float32 dq, dk [C, K], dv [C, V], dg [C, K], dbeta [C, 1]. The score
-  products' gradients multiply the float32 cotangent by the operands rounded to mm_dtype
-  (float32 products at `precision`).
+  products' gradients multiply the float32 cotangent by the float32 operands (products at
+  `precision`), not by the operands rounded to mm_dtype that the forward's products took:
+  the gate's gradient is a difference of the two sides (d log f - d log h), which bf16
+  rounding left 2.5x further from the fp32 reference than dq
+  (test_kda_kernel.test_bf16_gate_gradient_is_as_accurate_as_the_others).
   """
   outs, sv = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
                       precision)
   fr, parts, q, k, inv = sv["fr"], sv["parts"], sv["q"], sv["k"], sv["inv"]
   beta, sees, decay = sv["beta"], sv["sees"], sv["decay"]
-  rounded = lambda x: x if mm_dtype in (None, F32) else x.astype(mm_dtype).astype(F32)
 
   def vjp(dw, du, da, dqs, dks, ddec):
     dw, du, da, dqs, dks, ddec = (x.astype(F32) for x in (dw, du, da, dqs, dks, ddec))
@@ -223,8 +225,8 @@ def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm
       for f, h, mask, at_end in parts:
         d_p = d_scores if mask is None else jnp.where(mask, d_scores, 0.0)
         lhs, rhs = x * f, k * h
-        d_lhs = dot(d_p, rounded(rhs), "nn", precision)  # [C, K]
-        d_rhs = dot(d_p, rounded(lhs), "tn", precision)
+        d_lhs = dot(d_p, rhs, "nn", precision)  # [C, K]
+        d_rhs = dot(d_p, lhs, "tn", precision)
         if is_q:
           dq = dq + f * d_lhs
         else:
