@@ -149,7 +149,8 @@ def test_xla_options_reach_the_tpu_compiler():
     with prog.rules():
       return prog.eval_step.lower(*prog.abstract_state[:2], prog.abstract_batch()).compile()
 
-  default, lhs_off = (eval_program(o) for o in ("", "xla_tpu_enable_latency_hiding_scheduler=false"))
+  default = eval_program("")
+  lhs_off = eval_program("xla_tpu_enable_latency_hiding_scheduler=false")
   assert default.as_text() != lhs_off.as_text()
   with pytest.raises(k3config.ConfigError, match=r"config.train.xla_options: XLA on tpu refuses "
                      r".*xla_tpu_no_such_option"):
