@@ -285,7 +285,9 @@ def main():
            "bv16": dict(block_v=16), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
            "c32": dict(chunk_size=32),
            "c16": dict(chunk_size=16), "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16),
-           "bwdtf32": dict(bwd_precision="tf32"), "preptf32": dict(prep_precision="tf32")}
+           "bwdtf32": dict(bwd_precision="tf32"), "preptf32": dict(prep_precision="tf32"),
+           "bwdtf32x3": dict(bwd_precision="tf32x3"),
+           "preptf32x3": dict(prep_precision="tf32x3"), "outchunks": dict(rec_output="chunks")}
   variants = {n: dict(interpret=a.interpret) for n in a.variants.split(",")}
   for n, kw in variants.items():
     for part in n.split("+"):

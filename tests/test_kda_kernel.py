@@ -147,6 +147,34 @@ def test_kernel_packed_documents():
   assert sum(DOC_LENGTHS[0]) == 100 and DOC_LENGTHS[0][:2] == [37, 1]
 
 
+def test_output_after_the_loop_equals_inside():
+  """rec_output="chunks" (the recurrence writes v_new and the chunk states, a chunk-parallel
+  kernel the output) is the same computation as "loop": fp32 against naive with packed
+  documents, an initial state and T = 100 (a padded chunk of 16); bf16 equal to the loop
+  form to rounding, save_states either way."""
+  q, k, v, g, beta, h0 = make_inputs(5, 2, 100, 2, 16, 16)
+  seg = packed_segment_ids()
+  cot = cotangents(7, v.shape, h0.shape)
+  run = lambda **kw: forward_and_grads(functools.partial(
+      interpret, chunk_size=16, segment_ids=seg, **kw), q, k, v, g, beta, h0, *cot)
+  out_ref, grads_ref = forward_and_grads(functools.partial(kda_naive, segment_ids=seg),
+                                         q, k, v, g, beta, h0, *cot)
+  out, grads = run(rec_output="chunks")
+  check(out, grads, out_ref, grads_ref, RTOL_FP32, 2)
+  bf = [x.astype(jnp.bfloat16) for x in (q, k, v, g, beta)]
+  bf16 = lambda **kw: forward_and_grads(functools.partial(
+      interpret, chunk_size=16, segment_ids=seg, **kw), *bf, h0,
+      cot[0].astype(jnp.bfloat16), cot[1])
+  loop_out, loop_grads = bf16(rec_output="loop")
+  for save in (True, False):
+    out, grads = bf16(rec_output="chunks", save_states=save)
+    for name, a, b in zip(("o", "state") + GRAD_NAMES, (*out, *grads),
+                          (*loop_out, *loop_grads)):
+      assert rel_rms(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 1e-5, name
+  with pytest.raises(ValueError, match="rec_output='after': must be 'loop' or 'chunks'"):
+    interpret(q, k, v, g, beta, rec_output="after")
+
+
 @pytest.mark.parametrize("chunk,sub,docs", [(16, 16, [16]), (16, 8, [5, 1, 10]),
                                             (32, 8, [3, 20, 9]), (64, 16, [30, 34])])
 def test_hand_derived_prep_vjp_is_autodiff(chunk, sub, docs):
@@ -229,18 +257,21 @@ def test_lowers_for_cuda():
   args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H),
           sd(B, H, D, D, dt=jnp.float32), sd(B, T, dt=jnp.int32))
 
-  def lowered(save_states):
+  def lowered(save_states, rec_output="loop"):
     def loss(q, k, v, g, beta, h0, seg):
       o, s = kda_pallas(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                        output_final_state=True, platform="gpu", save_states=save_states)
+                        output_final_state=True, platform="gpu", save_states=save_states,
+                        rec_output=rec_output)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
     return jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-  # prep, rec_fwd (states saved), rec_bwd, chunk_bwd; recomputing adds prep and rec_fwd
+  # prep, rec_fwd (states saved), rec_bwd, chunk_bwd; recomputing adds prep and rec_fwd;
+  # the output after the loop adds chunk_out
   assert lowered(True).count("__gpu$xla.gpu.triton") == 4
   assert lowered(False).count("__gpu$xla.gpu.triton") == 6
+  assert lowered(True, "chunks").count("__gpu$xla.gpu.triton") == 5
 
 
 def _kernel_precisions(**kw):
@@ -300,12 +331,12 @@ def test_tpu_aot_compile():
           spec((B, H, D, D), P("data", "model"), jnp.float32), spec((B, T), P("data"),
                                                                      jnp.int32))
 
-  def compiled(save_states):
+  def compiled(save_states, rec_output="loop"):
     def loss(q, k, v, g, beta, h0, seg):
       o, s = kda_pallas_sharded(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
                                 output_final_state=True, platform="tpu", mesh=mesh,
                                 batch_axis="data", head_axis="model",
-                                save_states=save_states)
+                                save_states=save_states, rec_output=rec_output)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
@@ -313,3 +344,4 @@ def test_tpu_aot_compile():
 
   assert compiled(True).count("tpu_custom_call") == 4
   assert compiled(False).count("tpu_custom_call") == 6
+  assert compiled(True, "chunks").count("tpu_custom_call") == 5  # and chunk_out

@@ -92,6 +92,15 @@ class Config:
   # chunk_bwd's fp32 matmuls (prep recomputed, its vjp). H200 (8, 4096, 16, 128), 8 warps:
   # 5.33 ms at tf32, 6.32 at tf32x3, 8.87 at ieee; gradients as accurate (session 9)
   bwd_precision: str = "tf32"
+  # Where the forward's output o = q_s S^T + A_qk v_new is computed: "loop", inside the
+  # recurrence's sequential chunk loop; "chunks", after it by a chunk-parallel kernel
+  # (`chunk_out`) from v_new and the saved chunk states, which leaves two of the loop's four
+  # products per chunk (fla's split). Same numerics; not yet timed on the H200.
+  rec_output: str = "loop"
+
+  def __post_init__(self):
+    if self.rec_output not in ("loop", "chunks"):
+      raise ValueError(f"rec_output={self.rec_output!r}: must be 'loop' or 'chunks'")
 
   @property
   def precision(self):
@@ -194,11 +203,20 @@ def prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
 
 
 def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
-  """One chunk: (o [C, BV], the next state) from the state st [BV, K] (transposed)."""
+  """One chunk: (o [C, BV], the next state) from the state st [BV, K] (transposed); with
+  rec_output="chunks", v_new [C, BV] in o's place (`chunk_out` makes o from it)."""
   mm, prec = cfg.mm, cfg.precision
   v_new = u.astype(F32) - tile.dot(w, st, "nt", prec, mm)  # [C, BV]
-  o = tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, v_new, "nn", prec, mm)
-  return o, st * dec + tile.dot(v_new, ks, "tn", prec, mm)
+  st_next = st * dec + tile.dot(v_new, ks, "tn", prec, mm)
+  if cfg.rec_output == "chunks":
+    return v_new, st_next
+  return _output(cfg, qs, a, v_new, st), st_next
+
+
+def _output(cfg, qs, a, v_new, st):
+  """A chunk's o [C, BV] = q_s st^T + A_qk v_new, st [BV, K] the state entering it."""
+  mm, prec = cfg.mm, cfg.precision
+  return tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, v_new, "nn", prec, mm)
 
 
 def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
@@ -254,8 +272,9 @@ def _tpu_params():
 
 
 def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
-  """Returns o [B, H, Tp, V], the final state (transposed) [B, H, V, K] fp32 and, if
-  save_states, the state entering each chunk [B, H, N, V, K] in the operand dtype."""
+  """Returns o [B, H, Tp, V] (with rec_output="chunks": v_new, in out_dtype), the final
+  state (transposed) [B, H, V, K] fp32 and, if save_states, the state entering each chunk
+  [B, H, N, V, K] in the operand dtype."""
   B, H, Tp, K = w.shape
   V = u.shape[-1]
   N = dec.shape[2]
@@ -387,6 +406,26 @@ def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
   )(*args)
 
 
+def _out_kernel(qs_ref, a_ref, vn_ref, st_ref, o_ref, *, cfg):
+  o_ref[...] = _output(cfg, qs_ref[...], a_ref[...], vn_ref[...], st_ref[...]).astype(
+      o_ref.dtype)
+
+
+def chunk_out(cfg, qs, a, v_new, states, out_dtype):
+  """o [B, H, Tp, V] in out_dtype, one program per chunk: q_s S^T + A_qk v_new from q_s
+  [B, H, Tp, K], A_qk [B, H, Tp, C], v_new [B, H, Tp, V] and the state entering each chunk
+  (states [B, H, N, V, K], transposed)."""
+  B, H, Tp, K = qs.shape
+  V = v_new.shape[-1]
+  tok, _, _ = _chunk_specs(cfg)
+  state = pl.BlockSpec((None, None, None, V, K), lambda b, h, n: (b, h, n, 0, 0))
+  return _call(
+      cfg, functools.partial(_out_kernel, cfg=cfg), grid=(B, H, Tp // cfg.chunk),
+      in_specs=[tok(K), tok(cfg.chunk), tok(V), state], out_specs=tok(V),
+      out_shape=jax.ShapeDtypeStruct((B, H, Tp, V), out_dtype), num_warps=4,
+  )(qs, a, v_new, states)
+
+
 # ------------------------------------------------------------------------- chunk backward
 
 
@@ -433,18 +472,30 @@ def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, states, dstates, 
 # ------------------------------------------------------------------------------ custom_vjp
 
 
+def _forward(cfg, q, k, v, g, beta, st0, masks, save_states):
+  """prep and the recurrence (and `chunk_out`): o, the final state, prep's outputs and the
+  chunk states (None unless saved)."""
+  prep = prep_pallas(cfg, q, k, v, g, beta, *masks)
+  chunks = cfg.rec_output == "chunks"
+  o, st, *states = rec_fwd(cfg, *prep, st0, cfg.mm if chunks else q.dtype,
+                           save_states or chunks)
+  if chunks:
+    _, _, a, qs, _, _ = prep
+    o = chunk_out(cfg, qs, a, o, states[0], q.dtype)
+  return o, st, prep, (states[0] if save_states else None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda_core(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
-  prep = prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last)
-  o, st = rec_fwd(cfg, *prep, st0, q.dtype, False)
+  o, st, _, _ = _forward(cfg, q, k, v, g, beta, st0, (doc_c, doc_r, sees, last), False)
   return o, st
 
 
 def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
-  prep = prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last)
-  o, st, *states = rec_fwd(cfg, *prep, st0, q.dtype, cfg.save_states)
+  o, st, prep, states = _forward(cfg, q, k, v, g, beta, st0, (doc_c, doc_r, sees, last),
+                                 cfg.save_states)
   w, _, a, qs, ks, dec = prep
-  saved = (w, a, qs, ks, dec, states[0]) if cfg.save_states else None
+  saved = (w, a, qs, ks, dec, states) if cfg.save_states else None
   return (o, st), (q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved)
 
 
@@ -496,7 +547,7 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
     save_states: keep prep's outputs and the state entering each chunk for the backward
       (else recompute them there).
     tuning: further `Config` fields (prep_warps, prep_precision, rec_stages, bwd_warps,
-      bwd_precision).
+      bwd_precision, rec_output).
 
   Returns:
     o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
