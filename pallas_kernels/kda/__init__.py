@@ -48,11 +48,10 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   backend's `default_chunk_size` on the platform (the result does not depend on it beyond
   rounding). mesh, batch_axis, head_axis: where the arrays are sharded (mesh axis names,
   or None); the kernels then run per device under `shard_map` (a Pallas call is not
-  partitioned by XLA), the
-  pure-JAX backends ignore them. platform: what the program is compiled for ("gpu",
-  "tpu", "cpu"); None: the platform of the mesh's devices, else `jax.default_backend()`.
-  A mesh over a compile-only TPU topology (`k3jax.aot`) thus gets the Mosaic kernels on a
-  CPU host. Returns what the backend returns: o [B, T, H, V], plus the final state
+  partitioned by XLA), the pure-JAX backends ignore them. platform: what the program is
+  compiled for ("gpu", "tpu", "cpu"); None: the platform of the mesh's devices, else
+  `jax.default_backend()`. A mesh over a compile-only TPU topology (`k3jax.aot`) thus gets
+  the Mosaic kernels on a CPU host. Returns what the backend returns: o [B, T, H, V], plus the final state
   [B, H, K, V] if output_final_state.
   """
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
