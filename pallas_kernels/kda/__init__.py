@@ -51,8 +51,8 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   partitioned by XLA), the pure-JAX backends ignore them. platform: what the program is
   compiled for ("gpu", "tpu", "cpu"); None: the platform of the mesh's devices, else
   `jax.default_backend()`. A mesh over a compile-only TPU topology (`k3jax.aot`) thus gets
-  the Mosaic kernels on a CPU host. Returns what the backend returns: o [B, T, H, V], plus the final state
-  [B, H, K, V] if output_final_state.
+  the Mosaic kernels on a CPU host. Returns what the backend returns: o [B, T, H, V],
+  plus the final state [B, H, K, V] if output_final_state.
   """
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
