@@ -29,6 +29,15 @@ from pallas_kernels.kda import kda_chunk, kda_pallas
 TOL = {"o": 0.005, "state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,
        "dg": 0.02, "dbeta": 0.02}  # fla's bf16 conventions (relative RMS)
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+# --variants: name -> kda_pallas keywords
+VARIANTS = {"save": dict(save_states=True), "recompute": dict(save_states=False),
+            "bv16": dict(block_v=16), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
+            "c16": dict(chunk_size=16), "c32": dict(chunk_size=32),
+            "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16),
+            "bwdtf32": dict(bwd_precision="tf32"), "bwdtf32x3": dict(bwd_precision="tf32x3"),
+            "preptf32": dict(prep_precision="tf32"),
+            "preptf32x3": dict(prep_precision="tf32x3"),
+            "outchunks": dict(rec_output="chunks")}
 
 
 def rel_rms(a, b):
@@ -260,8 +269,7 @@ def main():
                  help="also time the pure-JAX chunked form on the bf16 inputs (the model's "
                  "non-kernel backend)")
   p.add_argument("--variants", default="save",
-                 help="comma list of save, recompute, bv16, bv32, bv128, c32, c16, w4, w16; "
-                 "'+' combines (c16+recompute)")
+                 help=f"comma list of {', '.join(VARIANTS)}; '+' combines (c16+recompute)")
   p.add_argument("--chunk", type=int, default=64, help="chunk size of --breakdown")
   p.add_argument("--gate_dtype", default="bfloat16",
                  help="g's dtype for our kernels and the reference (float32 as the model's "
@@ -281,17 +289,10 @@ def main():
   p.add_argument("--bwd", default="w8:tf32,w8:tf32x3",
                  help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
   a = p.parse_args()
-  known = {"save": dict(save_states=True), "recompute": dict(save_states=False),
-           "bv16": dict(block_v=16), "bv32": dict(block_v=32), "bv128": dict(block_v=128),
-           "c32": dict(chunk_size=32),
-           "c16": dict(chunk_size=16), "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16),
-           "bwdtf32": dict(bwd_precision="tf32"), "preptf32": dict(prep_precision="tf32"),
-           "bwdtf32x3": dict(bwd_precision="tf32x3"),
-           "preptf32x3": dict(prep_precision="tf32x3"), "outchunks": dict(rec_output="chunks")}
   variants = {n: dict(interpret=a.interpret) for n in a.variants.split(",")}
   for n, kw in variants.items():
     for part in n.split("+"):
-      kw.update(known[part])
+      kw.update(VARIANTS[part])
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   if a.layer:
     for shape in a.shapes:

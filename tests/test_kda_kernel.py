@@ -152,27 +152,27 @@ def test_output_after_the_loop_equals_inside():
   kernel the output) is the same computation as "loop": fp32 against naive with packed
   documents, an initial state and T = 100 (a padded chunk of 16); bf16 equal to the loop
   form to rounding, save_states either way."""
-  q, k, v, g, beta, h0 = make_inputs(5, 2, 100, 2, 16, 16)
+  *fp32, h0 = make_inputs(5, 2, 100, 2, 16, 16)
   seg = packed_segment_ids()
-  cot = cotangents(7, v.shape, h0.shape)
-  run = lambda **kw: forward_and_grads(functools.partial(
-      interpret, chunk_size=16, segment_ids=seg, **kw), q, k, v, g, beta, h0, *cot)
+  cot_o, cot_s = cotangents(7, fp32[2].shape, h0.shape)
+
+  def run(inputs, **kw):
+    fn = functools.partial(interpret, chunk_size=16, segment_ids=seg, **kw)
+    return forward_and_grads(fn, *inputs, h0, cot_o.astype(inputs[0].dtype), cot_s)
+
   out_ref, grads_ref = forward_and_grads(functools.partial(kda_naive, segment_ids=seg),
-                                         q, k, v, g, beta, h0, *cot)
-  out, grads = run(rec_output="chunks")
+                                         *fp32, h0, cot_o, cot_s)
+  out, grads = run(fp32, rec_output="chunks")
   check(out, grads, out_ref, grads_ref, RTOL_FP32, 2)
-  bf = [x.astype(jnp.bfloat16) for x in (q, k, v, g, beta)]
-  bf16 = lambda **kw: forward_and_grads(functools.partial(
-      interpret, chunk_size=16, segment_ids=seg, **kw), *bf, h0,
-      cot[0].astype(jnp.bfloat16), cot[1])
-  loop_out, loop_grads = bf16(rec_output="loop")
+  bf16 = [x.astype(jnp.bfloat16) for x in fp32]
+  loop_out, loop_grads = run(bf16, rec_output="loop")
   for save in (True, False):
-    out, grads = bf16(rec_output="chunks", save_states=save)
+    out, grads = run(bf16, rec_output="chunks", save_states=save)
     for name, a, b in zip(("o", "state") + GRAD_NAMES, (*out, *grads),
                           (*loop_out, *loop_grads)):
       assert rel_rms(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 1e-5, name
   with pytest.raises(ValueError, match="rec_output='after': must be 'loop' or 'chunks'"):
-    interpret(q, k, v, g, beta, rec_output="after")
+    interpret(*fp32, rec_output="after")
 
 
 @pytest.mark.parametrize("chunk,sub,docs", [(16, 16, [16]), (16, 8, [5, 1, 10]),
