@@ -36,8 +36,7 @@ VARIANTS = {"save": dict(save_states=True), "recompute": dict(save_states=False)
             "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16),
             "bwdtf32": dict(bwd_precision="tf32"), "bwdtf32x3": dict(bwd_precision="tf32x3"),
             "preptf32": dict(prep_precision="tf32"),
-            "preptf32x3": dict(prep_precision="tf32x3"),
-            "outchunks": dict(rec_output="chunks")}
+            "preptf32x3": dict(prep_precision="tf32x3")}
 
 
 def rel_rms(a, b):
@@ -89,7 +88,9 @@ def jax_fns(impl):
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def run_ours(x, variants, reps, impl=kda_pallas, gate_dtype="bfloat16"):
+def run_ours(x, variants, reps, impl=kda_pallas, gate_dtype="bfloat16", profile=None):
+  """Outputs, gradients and times per variant; profile: a folder for a trace of each
+  variant's forward and forward+backward, whose costliest device ops are printed."""
   bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
   args = [bf(n) for n in ("q", "k", "v")] + [jnp.asarray(x["g"], gate_dtype), bf("beta"),
                                                jnp.asarray(x["h0"])]
@@ -103,6 +104,11 @@ def run_ours(x, variants, reps, impl=kda_pallas, gate_dtype="bfloat16"):
     res["fwd_ms"] = time_jax(fwd, args, reps)
     res["fwd_bwd_ms"] = time_jax(fwd_bwd, args + cots, max(1, reps // 2))
     results[name] = res
+    if profile:
+      shape = "x".join(map(str, x["v"].shape))
+      for what, fn, fn_args in (("fwd", fwd, args), ("fwd_bwd", fwd_bwd, args + cots)):
+        print_costliest(os.path.join(profile, f"{shape}-{name}-{what}"), fn, fn_args,
+                        f"{name} {what}")
   return results
 
 
@@ -141,11 +147,17 @@ def layer(B, T, reps, backends=("kernel:16", "chunk:32"), profile=None):
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     print(f"  KDA layer {item}: fwd+bwd {time_jax(step, (params, x), reps):.3f} ms", flush=True)
     if profile:
-      folder = os.path.join(profile, f"{B}x{T}-{item.replace(':', '-')}")
-      with jax.profiler.trace(folder, create_perfetto_trace=True):
-        jax.block_until_ready([step(params, x) for _ in range(3)])
-      for name, ms, n in costliest_ops(folder):
-        print(f"    {ms:9.3f} ms  {n:4d} x  {name}")
+      print_costliest(os.path.join(profile, f"{B}x{T}-{item.replace(':', '-')}"), step,
+                      (params, x), item)
+
+
+def print_costliest(folder, fn, args, label, calls=3):
+  """Traces `calls` calls of fn into folder and prints the costliest device ops per call."""
+  with jax.profiler.trace(folder, create_perfetto_trace=True):
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+  print(f"  costliest ops of {label}, ms per call:", flush=True)
+  for name, ms, n in costliest_ops(folder):
+    print(f"    {ms / calls:9.3f} ms  {n // calls:4d} x  {name[:110]}", flush=True)
 
 
 def costliest_ops(folder, top=15):
@@ -214,12 +226,12 @@ def run_fla(x, reps):
   return res
 
 
-def breakdown(shape, variants, bwd_variants, reps, interpret=False, chunk=64,
-              gate_dtype="bfloat16"):
-  """Times of the pieces at one shape: prep kernel (per tuning variant), rec_fwd, and the
-  backward's rec_bwd and chunk_bwd (per tuning variant in bwd_variants). gate_dtype: g's
-  dtype ("float32" as the model's layer passes it). A piece that fails to compile prints its
-  error and the others still run."""
+def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, interpret=False,
+              chunk=64, gate_dtype="bfloat16"):
+  """Times of the pieces at one shape: prep (per tuning in variants), rec_fwd and rec_bwd
+  (per tuning in rec_variants), chunk_cots (per warp count in cots_warps) and chunk_bwd (per
+  tuning in bwd_variants). gate_dtype: g's dtype ("float32" as the model's layer passes
+  it). A piece that fails to compile prints its error and the others still run."""
   import dataclasses  # noqa: PLC0415
   from pallas_kernels.kda import pallas as P  # noqa: PLC0415
   B, T, H, D = shape
@@ -242,22 +254,30 @@ def breakdown(shape, variants, bwd_variants, reps, interpret=False, chunk=64,
     c = dataclasses.replace(cfg, **kw)
     timed(f"prep[{name}]", lambda *a, c=c: P.prep_pallas(c, *a), (q, k, v, g, beta, *masks))
   prep = jax.jit(lambda *a: P.prep_pallas(cfg, *a))(q, k, v, g, beta, *masks)
-  do = jnp.asarray(x["do"], jnp.bfloat16).swapaxes(1, 2)
+  do = jnp.asarray(x["do"], jnp.bfloat16)
+  if P.heads_major(cfg.platform):
+    do = do.swapaxes(1, 2)
   dst = jnp.swapaxes(jnp.asarray(x["dht"]), -1, -2)
-  w, _, a, qs, ks, dec = prep
-  for stages in (1, 2, 3):
-    c = dataclasses.replace(cfg, rec_stages=stages)
-    timed(f"rec_fwd[{stages} stages]", lambda *a, c=c: P.rec_fwd(c, *a, jnp.bfloat16, True),
+  w, u, a, qs, ks, dec = prep
+  for name, kw in rec_variants.items():
+    c = dataclasses.replace(cfg, **kw)
+    timed(f"rec_fwd[{name}]", lambda *a, c=c: P.rec_fwd(c, *a, jnp.bfloat16, True),
           (*prep, st0))
-    timed(f"rec_bwd[{stages} stages]", lambda *a, c=c: P.rec_bwd(c, *a),
-          (w, a, qs, ks, dec, do, dst))
-  c1 = dataclasses.replace(cfg, rec_stages=1)
-  _, _, states = jax.jit(lambda *a: P.rec_fwd(c1, *a, jnp.bfloat16, True))(*prep, st0)
-  dvn, dstates, _ = jax.jit(lambda *a: P.rec_bwd(c1, *a))(w, a, qs, ks, dec, do, dst)
+    timed(f"rec_fwd[{name}, no states]",
+          lambda *a, c=c: P.rec_fwd(c, *a, jnp.bfloat16, False), (*prep, st0))
+    timed(f"rec_bwd[{name}]", lambda *a, c=c: P.rec_bwd(c, *a), (w, a, qs, ks, dec, do, dst))
+  _, _, states = jax.jit(lambda *a: P.rec_fwd(cfg, *a, jnp.bfloat16, True))(*prep, st0)
+  dvn, dstates, _ = jax.jit(lambda *a: P.rec_bwd(cfg, *a))(w, a, qs, ks, dec, do, dst)
+  for warps in cots_warps:
+    c = dataclasses.replace(cfg, cots_warps=warps)
+    timed(f"chunk_cots[w{warps}]", lambda *a, c=c: P.chunk_cots(c, *a),
+          (w, u, states, dstates, do, dvn))
+  dw, da, dqs, dks, ddec = jax.jit(lambda *a: P.chunk_cots(cfg, *a))(
+      w, u, states, dstates, do, dvn)
   for name, kw in bwd_variants.items():
     c = dataclasses.replace(cfg, **kw)
     timed(f"chunk_bwd[{name}]", lambda *a, c=c: P.chunk_bwd(c, *a),
-          (q, k, v, g, beta, *masks, states, dstates, do, dvn))
+          (q, k, v, g, beta, *masks, dw, dvn, da, dqs, dks, ddec))
 
 
 def main():
@@ -282,11 +302,14 @@ def main():
                  help="time k3_small's KDA layer, kernel vs chunk form (shapes: B,T)")
   p.add_argument("--layer_backends", default="kernel:16,chunk:32",
                  help="with --layer: backend:chunk_size items to time")
-  p.add_argument("--profile", default=None, help="with --layer: trace to this folder and "
-                 "print the costliest device ops")
+  p.add_argument("--profile", default=None, help="trace our variants (or with --layer, the "
+                 "layer) to this folder and print the costliest device ops")
   p.add_argument("--prep", default="w4:tf32,w4:tf32x3",
                  help="prep tunings for --breakdown: warps:prep_precision items")
-  p.add_argument("--bwd", default="w8:tf32,w8:tf32x3",
+  p.add_argument("--rec", default="w4:bv64,w4:bv32",
+                 help="recurrence tunings for --breakdown: warps:block_v items (w2:bv32)")
+  p.add_argument("--cots", default="4,8", help="chunk_cots warp counts for --breakdown")
+  p.add_argument("--bwd", default="w8:tf32,w4:tf32",
                  help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
   a = p.parse_args()
   variants = {n: dict(interpret=a.interpret) for n in a.variants.split(",")}
@@ -307,8 +330,11 @@ def main():
 
     for shape in a.shapes:
       print(shape, flush=True)
-      breakdown(tuple(map(int, shape.split(","))), tunings(a.prep, "prep"),
-                tunings(a.bwd, "bwd"), a.reps, a.interpret, a.chunk, a.gate_dtype)
+      rec = {item: dict(rec_warps=int(item.split(":")[0][1:]),
+                        block_v=int(item.split(":")[1][2:])) for item in a.rec.split(",")}
+      breakdown(tuple(map(int, shape.split(","))), tunings(a.prep, "prep"), rec,
+                [int(w) for w in a.cots.split(",")], tunings(a.bwd, "bwd"), a.reps,
+                a.interpret, a.chunk, a.gate_dtype)
     return
   rows, dump = [], {}
   for shape in a.shapes:
@@ -316,7 +342,8 @@ def main():
     x = make_inputs(0, B, T, H, D)
     t0 = time.time()
     impls = {f"ours[{n}]": r
-             for n, r in run_ours(x, variants, a.reps, gate_dtype=a.gate_dtype).items()}
+             for n, r in run_ours(x, variants, a.reps, gate_dtype=a.gate_dtype,
+                                                    profile=a.profile).items()}
     print(f"{shape}: ours done ({time.time() - t0:.0f} s): " + ", ".join(
         f"{n} fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms"
         for n, r in impls.items()), flush=True)

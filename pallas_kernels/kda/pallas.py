@@ -1,6 +1,6 @@
 """Chunked Kimi Delta Attention as Pallas kernels, forward and backward (K3_SPEC 2.1).
 
-Four kernels, one `jax.custom_vjp`:
+Five kernels, one `jax.custom_vjp`:
   prep       grid (B, H, N), one chunk per program: decays, scores and the UT transform
              (`tile.chunk_prep`), written out as w, u, A_qk, q_s, k_s and the chunk decay.
   rec_fwd    the inter-chunk recurrence, fp32 state (transposed, [BV, K]) per (b, h, V
@@ -9,10 +9,11 @@ Four kernels, one `jax.custom_vjp`:
   rec_bwd    the sequential part of the backward, chunks in reverse: the state's cotangent
              dS carried back (dS <- dec dS + q_s^T do - w^T dv_new), the cotangents of v_new
              and of the state leaving each chunk written out. Four products per chunk.
-  chunk_bwd  grid (B, H, N), all the rest, one chunk per program: prep recomputed in
-             registers, v_new from the saved state, the cotangents of w, u, A_qk, q_s, k_s
-             and the decay from the states around the chunk, then prep's vjp derived by
-             hand (`tile.chunk_prep_vjp`): dq, dk, dv, dg, dbeta.
+  chunk_cots grid (B, H, N), one chunk per program: the products with the states around
+             the chunk (v_new recomputed from the saved state), giving the cotangents of
+             prep's outputs w, A_qk, q_s, k_s and the decay.
+  chunk_bwd  grid (B, H, N), one chunk per program: prep recomputed in registers and its
+             vjp derived by hand (`tile.chunk_prep_vjp`): dq, dk, dv, dg, dbeta.
 The forward's prep outputs (w, A_qk, q_s, k_s, decay) and chunk states are the residuals
 (`save_states=False`: recomputed in the backward instead). Columns of V are independent in
 the delta rule, so V blocks parallelize the recurrences at no extra work.
@@ -28,13 +29,14 @@ TPU backend: Mosaic, the same tile maths; the recurrences put the chunks on a se
 ("arbitrary") last grid axis with the state in VMEM scratch, blocks of (64, 128) for the
 MXU, all of V (up to 128) per program. `kda_pallas_sharded` wraps it in shard_map.
 
-Layout: the wrapper moves [B, T, H, D] to [B, H, T, D] (padded to a multiple of the chunk,
-and D to a power of two >= 16): an extra XLA pass over q, k, v, g and o.
+Layout: per-token arrays stay [B, T, H, D] on GPU and in interpret mode (a block is one
+head's rows, strided); on TPU the wrapper moves them to [B, H, T, D] (`heads_major`). T is
+padded to a multiple of the chunk and D to a power of two >= 16 (a copy only when needed).
 
-Speed (H200, 2026-11-30, benchmarks/results/kda.md, session 6): chunks of 16 (one diagonal
-tile) are fastest on the GPU; at (8, 4096, 16, 128) forward 2.23 ms (fla 1.53), forward +
-backward 9.77 ms (fla 7.34, 1.33x), of which chunk_bwd ~6 ms (register-bound: 8 warps 2.4x
-faster than 4).
+Speed (H200, 2026-12-01, benchmarks/results/kda.md, session 10): chunks of 16 (one diagonal
+tile) are fastest on the GPU; at (8, 4096, 16, 128) forward 1.31 ms (fla 1.54), forward +
+backward 7.34 ms (fla 7.37), of which chunk_bwd 3.6 ms (bound by its chain of small
+dependent tile products, not by bandwidth or FLOPs).
 """
 
 from __future__ import annotations
@@ -52,10 +54,12 @@ from pallas_kernels.kda import tile
 
 F32 = jnp.float32
 LOWER_BOUND = -5.0
-# block_v=None: V blocks of 64, or of 32 where 64 gives fewer recurrence programs than this.
-# H200, chunk 16: (1, 32768, 16, 128) forward + backward 36.3 ms at 64, 26.1 at 32, 26.5 at
-# 16; (8, 4096, 16, 128): 17.6 ms at 64 (256 programs), 18.0 at 32, 21.9 at 16.
+# block_v=None: the widest V block of 64, 32 or 16 that gives the recurrences this many
+# programs, else 16. H200, chunk 16 (results/kda.md, session 10), rec_fwd / rec_bwd in ms:
+# (8, 4096, 16, 128) 0.88 / 0.65 at 64 (256 programs), 1.17 / 1.10 at 32; (1, 32768, 16, 128)
+# 4.05 / 3.09 at 64, 3.07 / 2.05 at 32, 2.72 / 1.85 at 16.
 MIN_PROGRAMS = 256
+BLOCKS_V = (64, 32, 16)
 # The GPU kernels' chunk lengths (H200, results/kda.md, session 7): chunk_bwd holds a chunk's
 # prep and its vjp at once; at C = 32 it runs 5x slower than at 16 (register spills), at 64
 # Triton asks for 320 KiB of shared memory, over the H200's 227 KiB.
@@ -88,19 +92,16 @@ class Config:
   # Triton pipelining stages of the recurrences' chunk loop (the next chunk's loads overlap
   # this one's products). H200, rec_bwd at (1, 32768, 16, 128): 3.99 ms at 1, 2.15 at 3
   rec_stages: int = 3
-  bwd_warps: int = 8  # chunk_bwd, H200 (8, 4096, 16, 128): 6.1 ms at 8 warps, 14.2 at 4, 30.5 at 16
+  rec_warps: int = 4  # the recurrences' warps per program (GPU)
+  # chunk_cots (GPU). H200, (8, 4096, 16, 128): 1.38 ms at 4 warps, 1.89 at 8, though at 4
+  # it spills 184 bytes a thread (kernel_resources.py)
+  cots_warps: int = 4
+  # chunk_bwd, H200 (8, 4096, 16, 128), with chunk_cots' work inside it: 6.1 ms at 8 warps,
+  # 14.2 at 4, 30.5 at 16
+  bwd_warps: int = 8
   # chunk_bwd's fp32 matmuls (prep recomputed, its vjp). H200 (8, 4096, 16, 128), 8 warps:
   # 5.33 ms at tf32, 6.32 at tf32x3, 8.87 at ieee; gradients as accurate (session 9)
   bwd_precision: str = "tf32"
-  # Where the forward's output o = q_s S^T + A_qk v_new is computed: "loop", inside the
-  # recurrence's sequential chunk loop; "chunks", after it by a chunk-parallel kernel
-  # (`chunk_out`) from v_new and the saved chunk states, which leaves two of the loop's four
-  # products per chunk (fla's split). Same numerics; not yet timed on the H200.
-  rec_output: str = "loop"
-
-  def __post_init__(self):
-    if self.rec_output not in ("loop", "chunks"):
-      raise ValueError(f"rec_output={self.rec_output!r}: must be 'loop' or 'chunks'")
 
   @property
   def precision(self):
@@ -167,27 +168,60 @@ def _prep_dtypes(cfg):
   return mm, F32, mm, mm, mm, F32
 
 
+def heads_major(platform):
+  """The kernels' layout of per-token arrays: [B, H, Tp, D] on TPU (Mosaic tiles the last two
+  block dims, so a block must be a head's rows), else the callers' [B, Tp, H, D], which
+  saves a transpose of every input and gradient (H200, (8, 4096, 16, 128): 0.47 of 1.81 ms
+  forward, 0.97 of 8.69 forward + backward, results/kda.md, session 10)."""
+  return platform == "tpu"
+
+
+def _token_shape(cfg, B, H, Tp, d):
+  return (B, H, Tp, d) if heads_major(cfg.platform) else (B, Tp, H, d)
+
+
+def _dims(cfg, x):
+  """(B, H, Tp, D) of a per-token array in the kernels' layout."""
+  if heads_major(cfg.platform):
+    return x.shape
+  B, Tp, H, D = x.shape
+  return B, H, Tp, D
+
+
+def _tokens(cfg, rows, cols, index):
+  """BlockSpec of `rows` tokens x `cols` columns of one (batch row, head) of a per-token
+  array in the kernels' layout; index(*program ids) -> (b, h, row block, column block)."""
+  if heads_major(cfg.platform):
+    return pl.BlockSpec((None, None, rows, cols), index)
+
+  def seq_major(*ids):
+    b, h, t, c = index(*ids)
+    return b, t, h, c
+  return pl.BlockSpec((None, rows, None, cols), seq_major)
+
+
 def _chunk_specs(cfg):
   """BlockSpecs of one chunk per program, grid (B, H, N): (per-token [.., C, d] of d
   columns, per-token column [B, Tp, 1], the chunk's document row [B, N, 1, C])."""
   C = cfg.chunk
-  tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, n: (b, h, n, 0))
+  tok = lambda d: _tokens(cfg, C, d, lambda b, h, n: (b, h, n, 0))
   col = pl.BlockSpec((None, C, 1), lambda b, h, n: (b, n, 0))
   row = pl.BlockSpec((None, None, 1, C), lambda b, h, n: (b, n, 0, 0))
   return tok, col, row
 
 
 def prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
-  """q, k, g [B, H, Tp, K]; v [B, H, Tp, V]; beta [B, H, Tp, 1]; doc_c [B, Tp, 1] int32;
+  """Per-token arrays in the kernels' layout (`heads_major`; shapes below as [B, H, Tp, D]):
+  q, k, g [B, H, Tp, K]; v [B, H, Tp, V]; beta [B, H, Tp, 1]. doc_c [B, Tp, 1] int32;
   doc_r [B, N, 1, C] int32; sees, last [B, Tp, 1]. Returns w, q_s, k_s [B, H, Tp, K],
   u [B, H, Tp, V], A_qk [B, H, Tp, C], dec [B, H, N, 1, K]."""
-  B, H, Tp, K = q.shape
+  B, H, Tp, K = _dims(cfg, q)
   V = v.shape[-1]
   C = cfg.chunk
   N = Tp // C
   tok, col, row = _chunk_specs(cfg)
   dtypes = _prep_dtypes(cfg)
-  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), dt)
+  out_shape = [jax.ShapeDtypeStruct(_token_shape(cfg, B, H, Tp, d), dt)
                for d, dt in zip((K, V, C, K, K), dtypes)]
   out_shape.append(jax.ShapeDtypeStruct((B, H, N, 1, K), F32))
   return _call(
@@ -203,20 +237,11 @@ def prep_pallas(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
 
 
 def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
-  """One chunk: (o [C, BV], the next state) from the state st [BV, K] (transposed); with
-  rec_output="chunks", v_new [C, BV] in o's place (`chunk_out` makes o from it)."""
+  """One chunk: (o [C, BV], the next state) from the state st [BV, K] (transposed)."""
   mm, prec = cfg.mm, cfg.precision
   v_new = u.astype(F32) - tile.dot(w, st, "nt", prec, mm)  # [C, BV]
-  st_next = st * dec + tile.dot(v_new, ks, "tn", prec, mm)
-  if cfg.rec_output == "chunks":
-    return v_new, st_next
-  return _output(cfg, qs, a, v_new, st), st_next
-
-
-def _output(cfg, qs, a, v_new, st):
-  """A chunk's o [C, BV] = q_s st^T + A_qk v_new, st [BV, K] the state entering it."""
-  mm, prec = cfg.mm, cfg.precision
-  return tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, v_new, "nn", prec, mm)
+  o = tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, v_new, "nn", prec, mm)
+  return o, st * dec + tile.dot(v_new, ks, "tn", prec, mm)
 
 
 def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
@@ -272,22 +297,23 @@ def _tpu_params():
 
 
 def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
-  """Returns o [B, H, Tp, V] (with rec_output="chunks": v_new, in out_dtype), the final
-  state (transposed) [B, H, V, K] fp32 and, if save_states, the state entering each chunk
+  """prep's outputs (w, u, A_qk, q_s, k_s, dec) and the initial state st0 [B, H, V, K]
+  (transposed) fp32. Returns o [B, H, Tp, V] in out_dtype (the kernels' layout), the final
+  state [B, H, V, K] fp32 and, if save_states, the state entering each chunk
   [B, H, N, V, K] in the operand dtype."""
-  B, H, Tp, K = w.shape
+  B, H, Tp, K = _dims(cfg, w)
   V = u.shape[-1]
   N = dec.shape[2]
   C = cfg.chunk
   BV = _block_v(cfg, V)
-  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), out_dtype),
+  out_shape = [jax.ShapeDtypeStruct(_token_shape(cfg, B, H, Tp, V), out_dtype),
                jax.ShapeDtypeStruct((B, H, V, K), F32)]
   if save_states:
     out_shape.append(jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm))
   args = (w, u, a, qs, ks, dec, st0)
   if cfg.platform == "tpu":
-    tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, i, n: (b, h, n, 0))
-    vblk = pl.BlockSpec((None, None, C, BV), lambda b, h, i, n: (b, h, n, i))
+    tok = lambda d: _tokens(cfg, C, d, lambda b, h, i, n: (b, h, n, 0))
+    vblk = _tokens(cfg, C, BV, lambda b, h, i, n: (b, h, n, i))
     state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
     out_specs = [vblk, state]
     if save_states:
@@ -302,8 +328,8 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
                   state],
         out_specs=out_specs, out_shape=out_shape, compiler_params=params,
         scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
-  full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, i: (b, h, 0, 0))
-  vblk = pl.BlockSpec((None, None, Tp, BV), lambda b, h, i: (b, h, 0, i))
+  full = lambda d: _tokens(cfg, Tp, d, lambda b, h, i: (b, h, 0, 0))
+  vblk = _tokens(cfg, Tp, BV, lambda b, h, i: (b, h, 0, i))
   state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
   out_specs = [vblk, state]
   if save_states:
@@ -312,7 +338,7 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
       cfg, functools.partial(_rec_fwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
       in_specs=[full(K), vblk, full(C), full(K), full(K),
                 pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)), state],
-      out_specs=out_specs, out_shape=out_shape, num_warps=4, num_stages=cfg.rec_stages,
+      out_specs=out_specs, out_shape=out_shape, num_warps=cfg.rec_warps, num_stages=cfg.rec_stages,
   )(*args)
 
 
@@ -364,22 +390,23 @@ def _rec_bwd_kernel_tpu(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, 
 
 
 def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
-  """The recurrence backwards, sequential part: the cotangents of v_new [B, H, Tp, V] fp32,
-  of the state leaving each chunk [B, H, N, V, K] (transposed, in the operand dtype) and of
-  the initial state [B, H, V, K] fp32, from do [B, H, Tp, V] and the final state's dst."""
-  B, H, Tp, K = w.shape
+  """The recurrence backwards, sequential part: the cotangents of v_new [B, H, Tp, V] fp32
+  (the kernels' layout), of the state leaving each chunk [B, H, N, V, K] (transposed, in the
+  operand dtype) and of the initial state [B, H, V, K] fp32, from do [B, H, Tp, V] and the
+  final state's dst."""
+  B, H, Tp, K = _dims(cfg, w)
   V = do.shape[-1]
   N = dec.shape[2]
   C = cfg.chunk
   BV = _block_v(cfg, V)
-  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, V), F32),
+  out_shape = [jax.ShapeDtypeStruct(_token_shape(cfg, B, H, Tp, V), F32),
                jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm),
                jax.ShapeDtypeStruct((B, H, V, K), F32)]
   args = (w, a, qs, ks, dec, do, dst)
   if cfg.platform == "tpu":
     r = lambda n: N - 1 - n  # chunks in reverse
-    tok = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, i, n: (b, h, r(n), 0))
-    vblk = pl.BlockSpec((None, None, C, BV), lambda b, h, i, n: (b, h, r(n), i))
+    tok = lambda d: _tokens(cfg, C, d, lambda b, h, i, n: (b, h, r(n), 0))
+    vblk = _tokens(cfg, C, BV, lambda b, h, i, n: (b, h, r(n), i))
     state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
     pltpu, params = _tpu_params()
     return pl.pallas_call(
@@ -392,8 +419,8 @@ def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
                                       lambda b, h, i, n: (b, h, r(n), i, 0)), state],
         out_shape=out_shape, compiler_params=params,
         scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
-  full = lambda d: pl.BlockSpec((None, None, Tp, d), lambda b, h, i: (b, h, 0, 0))
-  vblk = pl.BlockSpec((None, None, Tp, BV), lambda b, h, i: (b, h, 0, i))
+  full = lambda d: _tokens(cfg, Tp, d, lambda b, h, i: (b, h, 0, 0))
+  vblk = _tokens(cfg, Tp, BV, lambda b, h, i: (b, h, 0, i))
   state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
   return _call(
       cfg, functools.partial(_rec_bwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
@@ -402,86 +429,88 @@ def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
                 vblk, state],
       out_specs=[vblk, pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)),
                  state],
-      out_shape=out_shape, num_warps=4, num_stages=cfg.rec_stages,
+      out_shape=out_shape, num_warps=cfg.rec_warps, num_stages=cfg.rec_stages,
   )(*args)
-
-
-def _out_kernel(qs_ref, a_ref, vn_ref, st_ref, o_ref, *, cfg):
-  o_ref[...] = _output(cfg, qs_ref[...], a_ref[...], vn_ref[...], st_ref[...]).astype(
-      o_ref.dtype)
-
-
-def chunk_out(cfg, qs, a, v_new, states, out_dtype):
-  """o [B, H, Tp, V] in out_dtype, one program per chunk: q_s S^T + A_qk v_new from q_s
-  [B, H, Tp, K], A_qk [B, H, Tp, C], v_new [B, H, Tp, V] and the state entering each chunk
-  (states [B, H, N, V, K], transposed)."""
-  B, H, Tp, K = qs.shape
-  V = v_new.shape[-1]
-  tok, _, _ = _chunk_specs(cfg)
-  state = pl.BlockSpec((None, None, None, V, K), lambda b, h, n: (b, h, n, 0, 0))
-  return _call(
-      cfg, functools.partial(_out_kernel, cfg=cfg), grid=(B, H, Tp // cfg.chunk),
-      in_specs=[tok(K), tok(cfg.chunk), tok(V), state], out_specs=tok(V),
-      out_shape=jax.ShapeDtypeStruct((B, H, Tp, V), out_dtype), num_warps=4,
-  )(qs, a, v_new, states)
 
 
 # ------------------------------------------------------------------------- chunk backward
 
 
-def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_ref,
-                      last_ref, st_ref, dst_ref, do_ref, dvn_ref, dq_ref, dk_ref, dv_ref,
-                      dg_ref, dbeta_ref, *, cfg):
-  """One chunk backwards, everything but the sequential part: the chunk's prep recomputed,
-  v_new from the state entering it, the cotangents of w, u, A_qk, q_s, k_s and the decay
-  from do, dv_new and the states around it, then prep's vjp (`tile.chunk_prep_vjp`)."""
+def _chunk_cots_kernel(w_ref, u_ref, st_ref, dst_ref, do_ref, dvn_ref, dw_ref, da_ref,
+                       dqs_ref, dks_ref, ddec_ref, *, cfg):
   mm, prec = cfg.mm, cfg.precision
-  (w, u, a, qs, ks, dec), vjp = tile.chunk_prep_vjp(
-      q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
-      docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
-      mm_dtype=mm, precision=cfg.bwd_prec)
   st, dst = st_ref[...], dst_ref[...]  # [V, K]: entering / (cotangent) leaving the chunk
   do, dvn = do_ref[...], dvn_ref[...]
-  v_new = u - tile.dot(w, st, "nt", prec, mm)  # [C, V]
-  grads = vjp(-tile.dot(dvn, st, "nn", prec, mm), dvn, tile.dot(do, v_new, "nt", prec, mm),
-              tile.dot(do, st, "nn", prec, mm), tile.dot(v_new, dst, "nn", prec, mm),
-              jnp.sum(st.astype(F32) * dst.astype(F32), axis=0, keepdims=True))
+  v_new = u_ref[...] - tile.dot(w_ref[...], st, "nt", prec, mm)  # [C, V]
+  dw_ref[...] = -tile.dot(dvn, st, "nn", prec, mm)
+  da_ref[...] = tile.dot(do, v_new, "nt", prec, mm)
+  dqs_ref[...] = tile.dot(do, st, "nn", prec, mm)
+  dks_ref[...] = tile.dot(v_new, dst, "nn", prec, mm)
+  ddec_ref[...] = jnp.sum(st.astype(F32) * dst.astype(F32), axis=0, keepdims=True)
+
+
+def chunk_cots(cfg, w, u, states, dstates, do, dvn):
+  """The cotangents of prep's outputs w, A_qk, q_s, k_s and dec (that of u is dvn), one
+  program per chunk: from those of o (do [B, H, Tp, V]), of v_new (dvn) and of the state
+  leaving each chunk (dstates [B, H, N, V, K]), with the state entering it (states) and
+  v_new = u - w S recomputed. Returns dw, dq_s, dk_s [B, H, Tp, K], dA_qk [B, H, Tp, C] and
+  ddec [B, H, N, 1, K], fp32. The products with the [V, K] states, apart from `chunk_bwd`:
+  one kernel holding both ran out of registers (H200: 255 per thread, spilling)."""
+  B, H, Tp, K = _dims(cfg, w)
+  C, N, V = cfg.chunk, states.shape[2], u.shape[-1]
+  tok, _, _ = _chunk_specs(cfg)
+  state = pl.BlockSpec((None, None, None, V, K), lambda b, h, n: (b, h, n, 0, 0))
+  per_chunk = pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))
+  out_shape = [jax.ShapeDtypeStruct(_token_shape(cfg, B, H, Tp, d), F32) for d in (K, C, K, K)]
+  out_shape.append(jax.ShapeDtypeStruct((B, H, N, 1, K), F32))
+  return _call(
+      cfg, functools.partial(_chunk_cots_kernel, cfg=cfg), grid=(B, H, N),
+      in_specs=[tok(K), tok(V), state, state, tok(V), tok(V)],
+      out_specs=[tok(K), tok(C), tok(K), tok(K), per_chunk],
+      out_shape=out_shape, num_warps=cfg.cots_warps,
+  )(w, u, states, dstates, do, dvn)
+
+
+def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_ref,
+                      last_ref, dw_ref, du_ref, da_ref, dqs_ref, dks_ref, ddec_ref, dq_ref,
+                      dk_ref, dv_ref, dg_ref, dbeta_ref, *, cfg):
+  _, vjp = tile.chunk_prep_vjp(
+      q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
+      docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
+      mm_dtype=cfg.mm, precision=cfg.bwd_prec)
+  grads = vjp(dw_ref[...], du_ref[...], da_ref[...], dqs_ref[...], dks_ref[...],
+              ddec_ref[...])
   for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref), grads):
     ref[...] = x.astype(ref.dtype)
 
 
-def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, states, dstates, do, dvn):
-  """The cotangents of q, k, v, g, beta (float32, their shapes) from those of v_new (dvn
-  [B, H, Tp, V]), of o (do) and of the states leaving each chunk (dstates [B, H, N, V, K]),
-  with the states entering each chunk; one program per chunk, all of V."""
-  B, H, Tp, K = q.shape
-  V = v.shape[-1]
-  C = cfg.chunk
+def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec):
+  """The cotangents of q, k, v, g, beta (their shapes and dtypes; fp32 inside) from those of
+  prep's outputs (`chunk_cots`; du = the cotangent of v_new), one program per chunk: the
+  chunk's prep recomputed in registers and its vjp derived by hand
+  (`tile.chunk_prep_vjp`)."""
+  C, K, V = cfg.chunk, q.shape[-1], v.shape[-1]
   tok, col, row = _chunk_specs(cfg)
-  state = pl.BlockSpec((None, None, None, V, K), lambda b, h, n: (b, h, n, 0, 0))
-  out_shape = [jax.ShapeDtypeStruct((B, H, Tp, d), F32) for d in (K, K, V, K, 1)]
+  per_chunk = pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))
+  B, H, Tp, _ = _dims(cfg, q)
+  out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, g, beta)]
   return _call(
       cfg, functools.partial(_chunk_bwd_kernel, cfg=cfg), grid=(B, H, Tp // C),
-      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col, state, state,
-                tok(V), tok(V)],
+      in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col,
+                tok(K), tok(V), tok(C), tok(K), tok(K), per_chunk],
       out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
       out_shape=out_shape, num_warps=cfg.bwd_warps,
-  )(q, k, v, g, beta, doc_c, doc_r, sees, last, states, dstates, do, dvn)
+  )(q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec)
 
 
 # ------------------------------------------------------------------------------ custom_vjp
 
 
 def _forward(cfg, q, k, v, g, beta, st0, masks, save_states):
-  """prep and the recurrence (and `chunk_out`): o, the final state, prep's outputs and the
-  chunk states (None unless saved)."""
+  """prep and the recurrence: o, the final state, prep's outputs and the chunk states (None
+  unless saved)."""
   prep = prep_pallas(cfg, q, k, v, g, beta, *masks)
-  chunks = cfg.rec_output == "chunks"
-  o, st, *states = rec_fwd(cfg, *prep, st0, cfg.mm if chunks else q.dtype,
-                           save_states or chunks)
-  if chunks:
-    _, _, a, qs, _, _ = prep
-    o = chunk_out(cfg, qs, a, o, states[0], q.dtype)
+  o, st, *states = rec_fwd(cfg, *prep, st0, q.dtype, save_states)
   return o, st, prep, (states[0] if save_states else None)
 
 
@@ -494,8 +523,7 @@ def _kda_core(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
 def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
   o, st, prep, states = _forward(cfg, q, k, v, g, beta, st0, (doc_c, doc_r, sees, last),
                                  cfg.save_states)
-  w, _, a, qs, ks, dec = prep
-  saved = (w, a, qs, ks, dec, states) if cfg.save_states else None
+  saved = (*prep, states) if cfg.save_states else None
   return (o, st), (q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved)
 
 
@@ -505,14 +533,14 @@ def _core_bwd(cfg, res, cots):
   masks = (doc_c, doc_r, sees, last)
   if saved is None:  # recompute prep's outputs and the chunk states
     prep = prep_pallas(cfg, q, k, v, g, beta, *masks)
-    w, _, a, qs, ks, dec = prep
-    saved = (w, a, qs, ks, dec, rec_fwd(cfg, *prep, st0, q.dtype, True)[2])
-  *prep, states = saved
-  dvn, dstates, dst0 = rec_bwd(cfg, *prep, do, dst)
-  dq, dk, dv, dg, dbeta = chunk_bwd(cfg, q, k, v, g, beta, *masks, states, dstates, do, dvn)
-  cast = lambda d, x: d.astype(x.dtype)
+    saved = (*prep, rec_fwd(cfg, *prep, st0, q.dtype, True)[2])
+  w, u, a, qs, ks, dec, states = saved
+  dvn, dstates, dst0 = rec_bwd(cfg, w, a, qs, ks, dec, do, dst)
+  dw, da, dqs, dks, ddec = chunk_cots(cfg, w, u, states, dstates, do, dvn)
+  dq, dk, dv, dg, dbeta = chunk_bwd(cfg, q, k, v, g, beta, *masks, dw, dvn, da, dqs, dks,
+                                    ddec)
   zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), dst0,
+  return (dq, dk, dv, dg, dbeta, dst0,
           zero_int(doc_c), zero_int(doc_r), jnp.zeros_like(sees), jnp.zeros_like(last))
 
 
@@ -542,12 +570,13 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
       |LOWER_BOUND| (L - 1) <= 80).
     interpret: run the kernels in Pallas interpret mode (any device, CPU included).
     platform: "gpu" or "tpu"; None: the default backend's.
-    block_v: V columns per program of the recurrence (GPU, interpret); None: 64, or 32
-      where B * H * V / 64 < MIN_PROGRAMS (long sequences of few rows and heads).
+    block_v: V columns per program of the recurrence (GPU, interpret); None: the widest of
+      BLOCKS_V with B * H * V / block_v >= MIN_PROGRAMS, else the narrowest (long sequences
+      of few rows and heads).
     save_states: keep prep's outputs and the state entering each chunk for the backward
       (else recompute them there).
-    tuning: further `Config` fields (prep_warps, prep_precision, rec_stages, bwd_warps,
-      bwd_precision, rec_output).
+    tuning: further `Config` fields (prep_warps, prep_precision, rec_stages, rec_warps,
+      cots_warps, bwd_warps, bwd_precision).
 
   Returns:
     o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
@@ -560,7 +589,9 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
                             platform=platform, block_v=block_v, save_states=save_states,
                             **tuning)
   o, st = _kda_core(cfg, *args)
-  o = jnp.swapaxes(o, 1, 2)[:, :T, :, :V]
+  if heads_major(cfg.platform):
+    o = jnp.swapaxes(o, 1, 2)
+  o = o[:, :T, :, :V]
   if not output_final_state:
     return o
   return o, jnp.swapaxes(st, -1, -2)[:, :, :K, :V]
@@ -568,9 +599,10 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
 
 def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size,
                   sub_chunk_size, interpret, platform, block_v, save_states, **tuning):
-  """(Config, the kernels' inputs in their layout): q, k, g [B, H, Tp, Kp], v [B, H, Tp, Vp],
-  beta [B, H, Tp, 1], the initial state (transposed) [B, H, Vp, Kp], document index
-  [B, Tp, 1] and [B, N, 1, C], and the sees/last masks [B, Tp, 1]."""
+  """(Config, the kernels' inputs in their layout (`heads_major`; shapes here as on TPU)):
+  q, k, g [B, H, Tp, Kp], v [B, H, Tp, Vp], beta [B, H, Tp, 1], the initial state
+  (transposed) [B, H, Vp, Kp], document index [B, Tp, 1] and [B, N, 1, C], and the
+  sees/last masks [B, Tp, 1]."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   platform = platform or ("cpu" if interpret else jax.default_backend())
@@ -590,7 +622,8 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
     raise ValueError(f"sub_chunk_size={L} is too long for the gate bound {LOWER_BOUND}")
   Kp, Vp = _pow2(K), _pow2(V)
   if block_v is None:
-    block_v = 64 if B * H * max(1, Vp // 64) >= MIN_PROGRAMS else 32
+    block_v = next((bv for bv in BLOCKS_V if B * H * max(1, Vp // bv) >= MIN_PROGRAMS),
+                   BLOCKS_V[-1])
   cfg = Config(scale=float(K ** -0.5 if scale is None else scale), chunk=C, sub=L,
                block_v=block_v, mm_dtype=jnp.dtype(q.dtype).name if q.dtype == jnp.bfloat16
                else "float32", interpret=interpret, platform=platform,
@@ -601,16 +634,16 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   if Vp % bv:
     raise ValueError(f"block_v={block_v} does not divide the padded V={Vp}")
 
-  def heads_major(x, d_pad):  # [B, T, H, D] -> [B, H, Tp, D + d_pad]; zeros change nothing
+  def layout(x, d_pad):  # [B, T, H, D] -> [B, Tp, H, D + d_pad]; zeros change nothing
     x = jnp.pad(x, [(0, 0), (0, pad_t), (0, 0), (0, d_pad)])
-    return jnp.swapaxes(x, 1, 2)
+    return jnp.swapaxes(x, 1, 2) if heads_major(platform) else x
 
   dt = q.dtype
-  qh, kh = (heads_major(x.astype(dt), Kp - K) for x in (q, k))
-  vh = heads_major(v.astype(dt), Vp - V)
+  qh, kh = (layout(x.astype(dt), Kp - K) for x in (q, k))
+  vh = layout(v.astype(dt), Vp - V)
   # g and beta keep their own precision (an fp32 gate stays fp32: its sums set the decays).
-  gh = heads_major(g, Kp - K)
-  bh = heads_major(beta[..., None], 0)  # [B, H, Tp, 1]
+  gh = layout(g, Kp - K)
+  bh = layout(beta[..., None], 0)
 
   doc = _document_index(segment_ids, B, T)
   doc = jnp.pad(doc, [(0, 0), (0, pad_t)], mode="edge")  # padding joins the last document
