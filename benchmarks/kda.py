@@ -233,6 +233,7 @@ def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, int
   tuning in bwd_variants). gate_dtype: g's dtype ("float32" as the model's layer passes
   it). A piece that fails to compile prints its error and the others still run."""
   import dataclasses  # noqa: PLC0415
+  from pallas_kernels.kda import blocks, chunk_kernels, recurrence  # noqa: PLC0415
   from pallas_kernels.kda import pallas as P  # noqa: PLC0415
   B, T, H, D = shape
   x = make_inputs(0, B, T, H, D)
@@ -252,31 +253,32 @@ def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, int
 
   for name, kw in variants.items():
     c = dataclasses.replace(cfg, **kw)
-    timed(f"prep[{name}]", lambda *a, c=c: P.prep_pallas(c, *a), (q, k, v, g, beta, *masks))
-  prep = jax.jit(lambda *a: P.prep_pallas(cfg, *a))(q, k, v, g, beta, *masks)
+    timed(f"prep[{name}]", lambda *a, c=c: chunk_kernels.prep(c, *a), (q, k, v, g, beta, *masks))
+  prep = jax.jit(lambda *a: chunk_kernels.prep(cfg, *a))(q, k, v, g, beta, *masks)
   do = jnp.asarray(x["do"], jnp.bfloat16)
-  if P.heads_major(cfg.platform):
+  if blocks.heads_major(cfg.platform):
     do = do.swapaxes(1, 2)
   dst = jnp.swapaxes(jnp.asarray(x["dht"]), -1, -2)
   w, u, a, qs, ks, dec = prep
   for name, kw in rec_variants.items():
     c = dataclasses.replace(cfg, **kw)
-    timed(f"rec_fwd[{name}]", lambda *a, c=c: P.rec_fwd(c, *a, jnp.bfloat16, True),
+    timed(f"rec_fwd[{name}]", lambda *a, c=c: recurrence.rec_fwd(c, *a, jnp.bfloat16, True),
           (*prep, st0))
     timed(f"rec_fwd[{name}, no states]",
-          lambda *a, c=c: P.rec_fwd(c, *a, jnp.bfloat16, False), (*prep, st0))
-    timed(f"rec_bwd[{name}]", lambda *a, c=c: P.rec_bwd(c, *a), (w, a, qs, ks, dec, do, dst))
-  _, _, states = jax.jit(lambda *a: P.rec_fwd(cfg, *a, jnp.bfloat16, True))(*prep, st0)
-  dvn, dstates, _ = jax.jit(lambda *a: P.rec_bwd(cfg, *a))(w, a, qs, ks, dec, do, dst)
+          lambda *a, c=c: recurrence.rec_fwd(c, *a, jnp.bfloat16, False), (*prep, st0))
+    timed(f"rec_bwd[{name}]", lambda *a, c=c: recurrence.rec_bwd(c, *a),
+          (w, a, qs, ks, dec, do, dst))
+  _, _, states = jax.jit(lambda *a: recurrence.rec_fwd(cfg, *a, jnp.bfloat16, True))(*prep, st0)
+  dvn, dstates, _ = jax.jit(lambda *a: recurrence.rec_bwd(cfg, *a))(w, a, qs, ks, dec, do, dst)
   for warps in cots_warps:
     c = dataclasses.replace(cfg, cots_warps=warps)
-    timed(f"chunk_cots[w{warps}]", lambda *a, c=c: P.chunk_cots(c, *a),
+    timed(f"chunk_cots[w{warps}]", lambda *a, c=c: chunk_kernels.chunk_cots(c, *a),
           (w, u, states, dstates, do, dvn))
-  dw, da, dqs, dks, ddec = jax.jit(lambda *a: P.chunk_cots(cfg, *a))(
+  dw, da, dqs, dks, ddec = jax.jit(lambda *a: chunk_kernels.chunk_cots(cfg, *a))(
       w, u, states, dstates, do, dvn)
   for name, kw in bwd_variants.items():
     c = dataclasses.replace(cfg, **kw)
-    timed(f"chunk_bwd[{name}]", lambda *a, c=c: P.chunk_bwd(c, *a),
+    timed(f"chunk_bwd[{name}]", lambda *a, c=c: chunk_kernels.chunk_bwd(c, *a),
           (q, k, v, g, beta, *masks, dw, dvn, da, dqs, dks, ddec))
 
 

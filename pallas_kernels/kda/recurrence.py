@@ -1,0 +1,212 @@
+"""The inter-chunk state recurrence of KDA as Pallas kernels: `rec_fwd` and `rec_bwd`, one
+program per (batch row, head, V block) looping over the chunks (GPU, interpret mode) or the
+chunks on a sequential grid axis (TPU). Overview: `pallas.py`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda import blocks, tile
+from pallas_kernels.kda.blocks import F32
+
+
+def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
+  """One chunk: (o [C, BV], the next state) from the state st [BV, K] (transposed)."""
+  mm, prec = cfg.mm, cfg.precision
+  v_new = u.astype(F32) - tile.dot(w, st, "nt", prec, mm)  # [C, BV]
+  o = tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, v_new, "nn", prec, mm)
+  return o, st * dec + tile.dot(v_new, ks, "tn", prec, mm)
+
+
+def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
+                    *states_ref, cfg, n_chunks):
+  """GPU / interpret form: one program per (b, h, V block) loops over the chunks."""
+  C = cfg.chunk
+
+  def body(n, st):  # st: [BV, K] fp32, the state (transposed) entering chunk n
+    rows = pl.ds(pl.multiple_of(n * C, C), C)
+    if states_ref:
+      states_ref[0][n] = st.astype(states_ref[0].dtype)
+    o, st = _fwd_step(cfg, w_ref[rows, :], u_ref[rows, :], a_ref[rows, :], qs_ref[rows, :],
+                      ks_ref[rows, :], dec_ref[n], st)
+    o_ref[rows, :] = o.astype(o_ref.dtype)
+    return st
+
+  st_ref[...] = lax.fori_loop(0, n_chunks, body, st0_ref[...].astype(F32))
+
+
+def _rec_fwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
+                        *rest, cfg, n_chunks):
+  """TPU form: the chunks are the last (sequential) grid axis; the state lives in VMEM."""
+  *states_ref, scratch = rest
+  n = pl.program_id(3)
+
+  @pl.when(n == 0)
+  def _():
+    scratch[...] = st0_ref[...].astype(F32)
+
+  st = scratch[...]
+  if states_ref:
+    states_ref[0][...] = st.astype(states_ref[0].dtype)
+  o, st = _fwd_step(cfg, w_ref[...], u_ref[...], a_ref[...], qs_ref[...], ks_ref[...],
+                    dec_ref[...], st)
+  o_ref[...] = o.astype(o_ref.dtype)
+  scratch[...] = st
+
+  @pl.when(n == n_chunks - 1)
+  def _():
+    st_ref[...] = st
+
+
+def _block_v(cfg, V):
+  """V columns per recurrence program."""
+  if cfg.platform == "tpu":  # lane-dense blocks: all of V, or 128 columns
+    return V if V <= 128 else 128
+  return min(cfg.block_v, V)
+
+
+def _tpu_params():
+  from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+  return pltpu, pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
+  """prep's outputs (w, u, A_qk, q_s, k_s, dec) and the initial state st0 [B, H, V, K]
+  (transposed) fp32. Returns o [B, H, Tp, V] in out_dtype (the kernels' layout), the final
+  state [B, H, V, K] fp32 and, if save_states, the state entering each chunk
+  [B, H, N, V, K] in the operand dtype."""
+  B, H, Tp, K = blocks.dims(cfg, w)
+  V = u.shape[-1]
+  N = dec.shape[2]
+  C = cfg.chunk
+  BV = _block_v(cfg, V)
+  out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, V), out_dtype),
+               jax.ShapeDtypeStruct((B, H, V, K), F32)]
+  if save_states:
+    out_shape.append(jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm))
+  args = (w, u, a, qs, ks, dec, st0)
+  if cfg.platform == "tpu":
+    tok = lambda d: blocks.tokens(cfg, C, d, lambda b, h, i, n: (b, h, n, 0))
+    vblk = blocks.tokens(cfg, C, BV, lambda b, h, i, n: (b, h, n, i))
+    state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
+    out_specs = [vblk, state]
+    if save_states:
+      out_specs.append(pl.BlockSpec((None, None, None, BV, K),
+                                    lambda b, h, i, n: (b, h, n, i, 0)))
+    pltpu, params = _tpu_params()
+    return pl.pallas_call(
+        functools.partial(_rec_fwd_kernel_tpu, cfg=cfg, n_chunks=N),
+        grid=(B, H, V // BV, N),
+        in_specs=[tok(K), vblk, tok(C), tok(K), tok(K),
+                  pl.BlockSpec((None, None, None, 1, K), lambda b, h, i, n: (b, h, n, 0, 0)),
+                  state],
+        out_specs=out_specs, out_shape=out_shape, compiler_params=params,
+        scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
+  full = lambda d: blocks.tokens(cfg, Tp, d, lambda b, h, i: (b, h, 0, 0))
+  vblk = blocks.tokens(cfg, Tp, BV, lambda b, h, i: (b, h, 0, i))
+  state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
+  out_specs = [vblk, state]
+  if save_states:
+    out_specs.append(pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)))
+  return blocks.call(
+      cfg, functools.partial(_rec_fwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
+      in_specs=[full(K), vblk, full(C), full(K), full(K),
+                pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)), state],
+      out_specs=out_specs, out_shape=out_shape, num_warps=cfg.rec_warps, num_stages=cfg.rec_stages,
+  )(*args)
+
+
+def _rec_bwd_step(cfg, w, a, qs, ks, dec, do, dst):
+  """One chunk backwards, the sequential part only: from the cotangent of the state leaving
+  the chunk (dst [BV, K]) the cotangent of v_new [C, BV] and of the state entering it."""
+  mm, prec = cfg.mm, cfg.precision
+  dvn = tile.dot(a, do, "tn", prec, mm) + tile.dot(ks, dst, "nt", prec, mm)
+  dst = dst * dec + tile.dot(do, qs, "tn", prec, mm) - tile.dot(dvn, w, "tn", prec, mm)
+  return dvn, dst
+
+
+def _rec_bwd_kernel(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, dvn_ref, dsts_ref,
+                    dst0_ref, *, cfg, n_chunks):
+  """GPU / interpret form: one program per (b, h, V block), chunks in reverse."""
+  C = cfg.chunk
+
+  def body(i, dst):  # dst: [BV, K] fp32, cotangent of the state leaving chunk n
+    n = n_chunks - 1 - i
+    rows = pl.ds(pl.multiple_of(n * C, C), C)
+    dsts_ref[n] = dst.astype(dsts_ref.dtype)
+    dvn, dst = _rec_bwd_step(cfg, w_ref[rows, :], a_ref[rows, :], qs_ref[rows, :],
+                             ks_ref[rows, :], dec_ref[n], do_ref[rows, :], dst)
+    dvn_ref[rows, :] = dvn
+    return dst
+
+  dst0_ref[...] = lax.fori_loop(0, n_chunks, body, dst_ref[...].astype(F32))
+
+
+def _rec_bwd_kernel_tpu(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, dvn_ref,
+                        dsts_ref, dst0_ref, scratch, *, cfg, n_chunks):
+  """TPU form: grid step n handles chunk N - 1 - n; the state's cotangent lives in VMEM."""
+  n = pl.program_id(3)
+
+  @pl.when(n == 0)
+  def _():
+    scratch[...] = dst_ref[...].astype(F32)
+
+  dst = scratch[...]
+  dsts_ref[...] = dst.astype(dsts_ref.dtype)
+  dvn, dst = _rec_bwd_step(cfg, w_ref[...], a_ref[...], qs_ref[...], ks_ref[...],
+                           dec_ref[...], do_ref[...], dst)
+  dvn_ref[...] = dvn
+  scratch[...] = dst
+
+  @pl.when(n == n_chunks - 1)
+  def _():
+    dst0_ref[...] = dst
+
+
+def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
+  """The recurrence backwards, sequential part: the cotangents of v_new [B, H, Tp, V] fp32
+  (the kernels' layout), of the state leaving each chunk [B, H, N, V, K] (transposed, in the
+  operand dtype) and of the initial state [B, H, V, K] fp32, from do [B, H, Tp, V] and the
+  final state's dst."""
+  B, H, Tp, K = blocks.dims(cfg, w)
+  V = do.shape[-1]
+  N = dec.shape[2]
+  C = cfg.chunk
+  BV = _block_v(cfg, V)
+  out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, V), F32),
+               jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm),
+               jax.ShapeDtypeStruct((B, H, V, K), F32)]
+  args = (w, a, qs, ks, dec, do, dst)
+  if cfg.platform == "tpu":
+    r = lambda n: N - 1 - n  # chunks in reverse
+    tok = lambda d: blocks.tokens(cfg, C, d, lambda b, h, i, n: (b, h, r(n), 0))
+    vblk = blocks.tokens(cfg, C, BV, lambda b, h, i, n: (b, h, r(n), i))
+    state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
+    pltpu, params = _tpu_params()
+    return pl.pallas_call(
+        functools.partial(_rec_bwd_kernel_tpu, cfg=cfg, n_chunks=N),
+        grid=(B, H, V // BV, N),
+        in_specs=[tok(K), tok(C), tok(K), tok(K),
+                  pl.BlockSpec((None, None, None, 1, K), lambda b, h, i, n: (b, h, r(n), 0, 0)),
+                  vblk, state],
+        out_specs=[vblk, pl.BlockSpec((None, None, None, BV, K),
+                                      lambda b, h, i, n: (b, h, r(n), i, 0)), state],
+        out_shape=out_shape, compiler_params=params,
+        scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
+  full = lambda d: blocks.tokens(cfg, Tp, d, lambda b, h, i: (b, h, 0, 0))
+  vblk = blocks.tokens(cfg, Tp, BV, lambda b, h, i: (b, h, 0, i))
+  state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
+  return blocks.call(
+      cfg, functools.partial(_rec_bwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
+      in_specs=[full(K), full(C), full(K), full(K),
+                pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)),
+                vblk, state],
+      out_specs=[vblk, pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)),
+                 state],
+      out_shape=out_shape, num_warps=cfg.rec_warps, num_stages=cfg.rec_stages,
+  )(*args)
