@@ -38,7 +38,10 @@ def triton_modules(chunk, dim, tuning):
   def capture(*args, **kwargs):
     result = lower(*args, **kwargs)
     text = result.module.operation.get_asm(enable_debug_info=False)
-    modules[re.search(r"tt.func (?:public )?@(\w+)", text).group(1)] = text
+    name = re.search(r"tt.func (?:public )?@(\w+)", text).group(1)
+    if name in modules:  # a kernel lowered twice (rec_fwd merged and not): keep both
+      name += f" ({sum(n.split()[0] == name for n in modules) + 1})"
+    modules[name] = text
     return result
 
   registration.lowering.lower_jaxpr_to_triton_module = capture
@@ -89,7 +92,8 @@ def main():
   p.add_argument("--dim", type=int, default=128, help="K = V")
   p.add_argument("--tuning", nargs="*", default=[], help="kda_pallas fields, name=value")
   a = p.parse_args()
-  tuning = {k: int(v) if v.isdigit() else v for k, v in (t.split("=") for t in a.tuning)}
+  parse = lambda v: int(v) if v.isdigit() else {"True": True, "False": False}.get(v, v)
+  tuning = {k: parse(v) for k, v in (t.split("=") for t in a.tuning)}
   modules = triton_modules(a.chunk, a.dim, tuning)
   print(f"chunk {a.chunk}, K = V = {a.dim}, {tuning or 'defaults'}; sm_90, triton (PyPI)")
   print("| kernel | warps | registers | spill stack B | shared KiB |\n|---|---|---|---|---|")
