@@ -82,7 +82,9 @@ class MLA(nnx.Module):
     k_r = constrain(kv_a[..., self.kv_lora:], ("batch", "seq", "head_dim"))  # [B, T, rope]
     kv = constrain(self.wkv_b(c_kv), BTHD)                               # [B, T, H, nope + v]
     k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-    k_r = jnp.broadcast_to(k_r[:, :, None, :], (*k_r.shape[:2], self.num_heads, self.rope))
+    # shared by the heads; broadcast in fp32 so that its gradient sums the heads in fp32
+    k_r = jnp.broadcast_to(k_r.astype(jnp.float32)[:, :, None, :],
+                           (*k_r.shape[:2], self.num_heads, self.rope)).astype(k_r.dtype)
     k = constrain(jnp.concatenate([k_nope, k_r], axis=-1), BTHD)
     return q, k, v
 
