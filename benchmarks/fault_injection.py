@@ -260,7 +260,8 @@ def markdown(summary: dict) -> str:
           + "` on CPU.\n\n"
           f"{len(summary['events']) - 1} kills (SIGKILL), {saves} of them with an async "
           f"checkpoint save in flight. Uninterrupted run: {summary['reference_seconds']} s; "
-          f"interrupted run, all processes: {round(sum(e['seconds'] for e in summary['events']), 1)}"
+          "interrupted run, all processes: "
+          f"{round(sum(e['seconds'] for e in summary['events']), 1)}"
           f" s; whole benchmark: {summary.get('total_seconds', '-')} s.\n\n" + "\n".join(rows)
           + f"\n\nResult: {verdict}\n")
 

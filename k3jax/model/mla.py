@@ -112,7 +112,7 @@ class MLA(nnx.Module):
     """
     gamma = jnp.where(logit_max > tau, tau / logit_max, 1.0)[..., None, :, None]  # [*L,1,H,1]
     root = jnp.sqrt(gamma)
-    wq = self.wq_b.kernel[...]                                            # [*L, q_lora, H, nope+rope]
+    wq = self.wq_b.kernel[...]  # [*L, q_lora, H, nope + rope]
     self.wq_b.kernel[...] = jnp.concatenate(
         [wq[..., :self.nope] * root, wq[..., self.nope:] * gamma], axis=-1).astype(wq.dtype)
     wkv = self.wkv_b.kernel[...]                                          # [*L, kv_lora, H, nope+v]
