@@ -35,8 +35,8 @@ class Config:
   # chunk_cots (GPU). H200, (8, 4096, 16, 128): 1.38 ms at 4 warps, 1.89 at 8, though at 4
   # it spills 184 bytes a thread (kernel_resources.py)
   cots_warps: int = 4
-  # chunk_bwd, H200 (8, 4096, 16, 128), with chunk_cots' work inside it: 6.1 ms at 8 warps,
-  # 14.2 at 4, 30.5 at 16
+  # chunk_bwd, H200 (8, 4096, 16, 128): 3.66 ms at 8 warps (227 registers, no spill), 3.71
+  # at 4 (session 10); with chunk_cots' work inside it, 6.1 at 8, 14.2 at 4, 30.5 at 16
   bwd_warps: int = 8
   # chunk_bwd's fp32 matmuls (prep recomputed, its vjp). H200 (8, 4096, 16, 128), 8 warps:
   # 5.33 ms at tf32, 6.32 at tf32x3, 8.87 at ieee; gradients as accurate (session 9)
