@@ -227,7 +227,7 @@ def run_fla(x, reps):
 
 
 def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, interpret=False,
-              chunk=64, gate_dtype="bfloat16"):
+              chunk=None, gate_dtype="bfloat16"):
   """Times of the pieces at one shape: prep (per tuning in variants), rec_fwd and rec_bwd
   (per tuning in rec_variants), chunk_cots (per warp count in cots_warps) and chunk_bwd (per
   tuning in bwd_variants). gate_dtype: g's dtype ("float32" as the model's layer passes
@@ -292,7 +292,8 @@ def main():
                  "non-kernel backend)")
   p.add_argument("--variants", default="save",
                  help=f"comma list of {', '.join(VARIANTS)}; '+' combines (c16+recompute)")
-  p.add_argument("--chunk", type=int, default=64, help="chunk size of --breakdown")
+  p.add_argument("--chunk", type=int, default=None,
+                 help="chunk size of --breakdown (default: the platform's, 16 on GPU)")
   p.add_argument("--gate_dtype", default="bfloat16",
                  help="g's dtype for our kernels and the reference (float32 as the model's "
                       "layer passes it); fla always gets bf16")

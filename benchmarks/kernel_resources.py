@@ -39,7 +39,7 @@ def triton_modules(chunk, dim, tuning):
     result = lower(*args, **kwargs)
     text = result.module.operation.get_asm(enable_debug_info=False)
     name = re.search(r"tt.func (?:public )?@(\w+)", text).group(1)
-    if name in modules:  # a kernel lowered twice (rec_fwd merged and not): keep both
+    if name in modules:  # lowered twice (save_states=False: prep, rec_fwd): keep both
       name += f" ({sum(n.split()[0] == name for n in modules) + 1})"
     modules[name] = text
     return result

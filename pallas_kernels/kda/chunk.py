@@ -33,6 +33,14 @@ _MAX_EXPONENT = 80.0  # e^80 ~ 5.5e34, with room below float32's max (~e^88.7)
 _HI = jax.lax.Precision.HIGHEST
 
 
+def check_sub_chunk(sub_chunk_size: int):
+  """ValueError unless decays across a diagonal tile of this length stay in float32's range
+  under the gate bound: |LOWER_BOUND| (L - 1) <= _MAX_EXPONENT."""
+  if -LOWER_BOUND * (sub_chunk_size - 1) > _MAX_EXPONENT:
+    raise ValueError(f"sub_chunk_size={sub_chunk_size} is too long for the gate bound "
+                     f"{LOWER_BOUND}: decays over one tile would overflow float32")
+
+
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
               output_final_state=False, chunk_size=64, sub_chunk_size=16):
   """Chunkwise KDA; same contract as `kda_naive`, for any T.
@@ -58,9 +66,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
   if chunk_size % sub_chunk_size:
     raise ValueError(f"chunk_size={chunk_size} is not a multiple of "
                      f"sub_chunk_size={sub_chunk_size}")
-  if -LOWER_BOUND * (sub_chunk_size - 1) > _MAX_EXPONENT:
-    raise ValueError(f"sub_chunk_size={sub_chunk_size} is too long for the gate bound "
-                     f"{LOWER_BOUND}: decays over one tile would overflow float32")
+  check_sub_chunk(sub_chunk_size)
   if scale is None:
     scale = K ** -0.5
   out_dtype = q.dtype

@@ -15,7 +15,7 @@ rec_bwd; their settings and blocks: `blocks.py`), one `jax.custom_vjp` (here):
              prep's outputs w, A_qk, q_s, k_s and the decay.
   chunk_bwd  grid (B, H, N), one chunk per program: prep recomputed in registers and its
              vjp derived by hand (`tile.chunk_prep_vjp`): dq, dk, dv, dg, dbeta.
-The forward's prep outputs (w, A_qk, q_s, k_s, decay) and chunk states are the residuals
+The forward's prep outputs (w, u, A_qk, q_s, k_s, decay) and chunk states are the residuals
 (`save_states=False`: recomputed in the backward instead). Columns of V are independent in
 the delta rule, so V blocks parallelize the recurrences at no extra work.
 
@@ -50,9 +50,8 @@ import numpy as np
 
 from pallas_kernels.kda import blocks, chunk_kernels, recurrence
 from pallas_kernels.kda.blocks import F32
+from pallas_kernels.kda.chunk import check_sub_chunk
 
-LOWER_BOUND = -5.0
-_MAX_EXPONENT = 80.0  # the largest decay exponent a diagonal tile may reach (fp32 range)
 # block_v=None: the widest V block of 64, 32 or 16 that gives the recurrences this many
 # programs, else 16. H200, chunk 16 (results/kda.md, session 10), rec_fwd / rec_bwd in ms:
 # (8, 4096, 16, 128) 0.88 / 0.65 at 64 (256 programs), 1.17 / 1.10 at 32; (1, 32768, 16, 128)
@@ -128,7 +127,7 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
   """Chunked KDA through the Pallas kernels; same contract as `kda_naive`, for any T.
 
   Args:
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] with LOWER_BOUND <= g <= 0;
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] with chunk.LOWER_BOUND <= g <= 0;
       beta: [B, T, H]. bf16 or fp32; bf16 runs the big matmuls on bf16 operands with
       fp32 accumulation, the state and decays stay fp32 either way.
     scale, initial_state [B, H, K, V], segment_ids [B, T], output_final_state: as in
@@ -186,8 +185,7 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   if C % L or L & (L - 1):
     raise ValueError(f"chunk_size={C} is not a multiple of sub_chunk_size={L}, or L is not "
                      "a power of two")
-  if -LOWER_BOUND * (L - 1) > _MAX_EXPONENT:
-    raise ValueError(f"sub_chunk_size={L} is too long for the gate bound {LOWER_BOUND}")
+  check_sub_chunk(L)
   Kp, Vp = _pow2(K), _pow2(V)
   if block_v is None:
     block_v = next((bv for bv in BLOCKS_V if B * H * max(1, Vp // bv) >= MIN_PROGRAMS),

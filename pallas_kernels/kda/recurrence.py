@@ -62,11 +62,12 @@ def _rec_fwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o
     st_ref[...] = st
 
 
-def _block_v(cfg, V):
-  """V columns per recurrence program."""
-  if cfg.platform == "tpu":  # lane-dense blocks: all of V, or 128 columns
-    return V if V <= 128 else 128
-  return min(cfg.block_v, V)
+def _sizes(cfg, w, V, dec):
+  """(B, H, Tp, K, N, BV) of a recurrence call: w [B, H, Tp, K], dec [B, H, N, 1, K], and
+  the V columns per program (TPU: lane-dense blocks, all of V or 128 columns)."""
+  B, H, Tp, K = blocks.dims(cfg, w)
+  BV = (V if V <= 128 else 128) if cfg.platform == "tpu" else min(cfg.block_v, V)
+  return B, H, Tp, K, dec.shape[2], BV
 
 
 def _tpu_params():
@@ -80,11 +81,8 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
   (transposed) fp32. Returns o [B, H, Tp, V] in out_dtype (the kernels' layout), the final
   state [B, H, V, K] fp32 and, if save_states, the state entering each chunk
   [B, H, N, V, K] in the operand dtype."""
-  B, H, Tp, K = blocks.dims(cfg, w)
-  V = u.shape[-1]
-  N = dec.shape[2]
-  C = cfg.chunk
-  BV = _block_v(cfg, V)
+  V, C = u.shape[-1], cfg.chunk
+  B, H, Tp, K, N, BV = _sizes(cfg, w, V, dec)
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, V), out_dtype),
                jax.ShapeDtypeStruct((B, H, V, K), F32)]
   if save_states:
@@ -173,11 +171,8 @@ def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
   (the kernels' layout), of the state leaving each chunk [B, H, N, V, K] (transposed, in the
   operand dtype) and of the initial state [B, H, V, K] fp32, from do [B, H, Tp, V] and the
   final state's dst."""
-  B, H, Tp, K = blocks.dims(cfg, w)
-  V = do.shape[-1]
-  N = dec.shape[2]
-  C = cfg.chunk
-  BV = _block_v(cfg, V)
+  V, C = do.shape[-1], cfg.chunk
+  B, H, Tp, K, N, BV = _sizes(cfg, w, V, dec)
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, V), F32),
                jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm),
                jax.ShapeDtypeStruct((B, H, V, K), F32)]
