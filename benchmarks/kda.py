@@ -98,7 +98,8 @@ def run_ours(x, variants, reps, impl=kda_pallas, gate_dtype="bfloat16", profile=
   results = {}
   for name, kw in variants.items():
     fwd, fwd_bwd = jax_fns(functools.partial(impl, **kw))
-    (o, st), grads = fwd_bwd(*args, *cots)
+    _, grads = fwd_bwd(*args, *cots)
+    o, st = fwd(*args)  # the forward alone: the path a forward-only call takes
     res = dict(zip(NAMES, [o, st, *grads]))
     res = {n: np.asarray(jnp.asarray(a, jnp.float32)) for n, a in res.items()}
     res["fwd_ms"] = time_jax(fwd, args, reps)
@@ -120,8 +121,8 @@ def run_chunk_form(x, reps):
 def layer(B, T, reps, backends=("kernel:16", "chunk:32"), profile=None):
   """k3_small's KDA layer (projections, short convs, norms, gates: `k3jax.model.kda.KDA`)
   forward+backward on [B, T, d] bf16 activations packed with two documents per row, per
-  backend:chunk; prints ms. profile: a folder for a trace of 3 steps per backend, whose
-  costliest ops are printed."""
+  backend:chunk[:conv backend] (default conv backend "auto"); prints ms. profile: a folder
+  for a trace of 3 steps per backend, whose costliest ops are printed."""
   import importlib.util  # noqa: PLC0415
 
   from flax import nnx  # noqa: PLC0415
@@ -135,8 +136,9 @@ def layer(B, T, reps, backends=("kernel:16", "chunk:32"), profile=None):
   x = jnp.asarray(rng.standard_normal((B, T, cfg.model.d_model)), jnp.bfloat16)
   seg = jnp.asarray(np.repeat([[1, 2]], [T // 3, T - T // 3], axis=1).repeat(B, 0), jnp.int32)
   for item in backends:
-    backend, chunk = item.split(":")
+    backend, chunk, *conv = item.split(":")
     cfg.model.kda.backend, cfg.model.kda.chunk_size = backend, int(chunk)
+    cfg.model.kda.conv_backend = conv[0] if conv else "auto"
     model = KDA(cfg.model, rngs=nnx.Rngs(0))
     graph, params = nnx.split(model)
 
@@ -304,7 +306,7 @@ def main():
   p.add_argument("--layer", action="store_true",
                  help="time k3_small's KDA layer, kernel vs chunk form (shapes: B,T)")
   p.add_argument("--layer_backends", default="kernel:16,chunk:32",
-                 help="with --layer: backend:chunk_size items to time")
+                 help="with --layer: backend:chunk_size[:conv_backend] items to time")
   p.add_argument("--profile", default=None, help="trace our variants (or with --layer, the "
                  "layer) to this folder and print the costliest device ops")
   p.add_argument("--prep", default="w4:tf32,w4:tf32x3",
@@ -333,8 +335,9 @@ def main():
 
     for shape in a.shapes:
       print(shape, flush=True)
-      rec = {item: dict(rec_warps=int(item.split(":")[0][1:]),
-                        block_v=int(item.split(":")[1][2:])) for item in a.rec.split(",")}
+      # each item for both recurrences, rec_fwd saving states too (no states_block_v)
+      rec = {item: dict(rec_warps=int(item.split(":")[0][1:]), block_v=int(item.split(":")[1][2:]),
+                        states_block_v=0, states_warps=0) for item in a.rec.split(",")}
       breakdown(tuple(map(int, shape.split(","))), tunings(a.prep, "prep"), rec,
                 [int(w) for w in a.cots.split(",")], tunings(a.bwd, "bwd"), a.reps,
                 a.interpret, a.chunk, a.gate_dtype)

@@ -49,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
   # pallas_kernels.kda backend: chunk (pure JAX), naive, kernel (Pallas), interpret, auto
   # (kernel on TPU and GPU, chunk on CPU)
   k.backend = "auto"
+  # pallas_kernels.short_conv backend (the conv with its SiLU and q/k's L2 norm): reference
+  # (plain JAX), kernel (Pallas Triton, GPU), interpret, auto (kernel on GPU, else reference)
+  k.conv_backend = "auto"
 
   a = m.mla = ml_collections.ConfigDict()
   a.num_heads = 96
@@ -274,6 +277,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   from pallas_kernels.kda import BACKENDS as KDA_BACKENDS  # noqa: PLC0415
   _check(k.backend in KDA_BACKENDS, "model.kda.backend",
          f"unknown backend {k.backend!r} (known: {', '.join(KDA_BACKENDS)})")
+  from pallas_kernels.short_conv import BACKENDS as CONV_BACKENDS  # noqa: PLC0415
+  _check(k.conv_backend in CONV_BACKENDS, "model.kda.conv_backend",
+         f"unknown backend {k.conv_backend!r} (known: {', '.join(CONV_BACKENDS)})")
   _check(k.gate == "bounded" or k.backend == "naive", "model.kda.backend",
          "the chunked form needs the bounded gate (g >= gate_lower_bound); use the 'naive' "
          "backend with gate='softplus'")

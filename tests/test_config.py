@@ -44,6 +44,7 @@ def test_experiments_validate(name):
     ("model.mla.q_lora_rank", 9000, "wider than d_model"),
     ("model.kda.gate", "softplus", "model.kda.backend"),
     ("model.kda.chunk_size", 48, "model.kda.chunk_size"),
+    ("model.kda.conv_backend", "triton", "model.kda.conv_backend"),
     ("model.remat", "some", "model.remat"),
     ("model.moe.dispatch", "ragged", "model.moe.dispatch"),
     ("optimizer.name", "sgd", "unknown optimizer"),

@@ -82,15 +82,16 @@ def test_kernel_chunk16_one_subtile():
 
 def test_kernel_bf16_recompute():
   """bf16 inputs, K = V = 64, 3 heads, T = 150 (chunks of 32, the last padded), V split in
-  two blocks, chunk states recomputed in the backward: within fla's bf16 tolerances of the
-  fp32 recurrence on the same values."""
+  two blocks (four where rec_fwd saves states), chunk states recomputed in the backward:
+  within fla's bf16 tolerances of the fp32 recurrence on the same values."""
   B, T, H, K, V = 2, 150, 3, 64, 64
   inputs = [x.astype(jnp.bfloat16) for x in make_inputs(2, B, T, H, K, V)[:5]]
   h0 = make_inputs(2, B, T, H, K, V)[5]
   cot = cotangents(3, (B, T, H, V), (B, H, K, V))
   up = [x.astype(jnp.float32) for x in inputs]
   out_ref, grads_ref = forward_and_grads(kda_naive, *up, h0, *cot)
-  fn = functools.partial(interpret, chunk_size=32, block_v=32, save_states=False)
+  fn = functools.partial(interpret, chunk_size=32, block_v=32, save_states=False,
+                         states_block_v=16, states_warps=2)
   out, grads = forward_and_grads(fn, *inputs, h0, cot[0].astype(jnp.bfloat16), cot[1])
   assert out[0].dtype == jnp.bfloat16 and out[1].dtype == jnp.float32
   assert [x.dtype for x in grads] == [jnp.bfloat16] * 5 + [jnp.float32]
@@ -219,6 +220,26 @@ def test_kernel_rejects_bad_tiles():
   # naming the limit, instead of failing inside XLA's compile on the GPU
   with pytest.raises(ValueError, match="chunk_size=64: the GPU kernels run chunks of at most"):
     kda_pallas(q, k, v, g, beta, chunk_size=64, platform="gpu")
+
+
+def test_recurrence_blocks_by_programs():
+  """The recurrences' V blocks: the widest of 64 / 32 / 16 that gives 256 programs, and on
+  GPU the forward saving states at blocks of 32 on 2 warps where those give 256 programs
+  (H200: faster at (8, 4096, 16) and (2, 8192, 96), not at (1, 32768, 16))."""
+  from pallas_kernels.kda.pallas import kernel_inputs  # noqa: PLC0415
+
+  def blocks_of(B, H, platform):
+    x = jnp.zeros((B, 16, H, 128), jnp.bfloat16)
+    cfg, _ = kernel_inputs(x, x, x, x, x[..., 0], scale=None, initial_state=None,
+                           segment_ids=None, chunk_size=16, sub_chunk_size=16,
+                           interpret=False, platform=platform, block_v=None,
+                           save_states=True)
+    return cfg.block_v, cfg.states_block_v, cfg.states_warps
+
+  assert blocks_of(8, 16, "gpu") == (64, 32, 2)
+  assert blocks_of(2, 96, "gpu") == (64, 32, 2)
+  assert blocks_of(1, 16, "gpu") == (16, 0, 0)   # long sequences: 128 programs at most
+  assert blocks_of(8, 16, "tpu") == (64, 0, 0)
 
 
 def test_lowers_for_cuda():

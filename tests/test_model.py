@@ -214,29 +214,12 @@ def test_bf16_compute_reaches_the_kda_recurrence(monkeypatch):
   assert y.dtype == jnp.bfloat16
 
 
-def test_short_conv_tap_gradients_sum_in_fp32():
-  """The short conv's tap gradients are float32 sums over all positions: from bf16
-  activations they equal those from the same values in fp32 (summed in bf16 they were 1.2%
-  off at 8k positions); the output keeps the activations' dtype."""
-  from k3jax.model.kda import short_conv  # noqa: PLC0415
-  rng = np.random.default_rng(0)
-  B, T, H, D = 2, 4096, 2, 32
-  x, dy = (jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16) for _ in range(2))
-  w = jnp.asarray(rng.uniform(-0.5, 0.5, (4, H, D)), jnp.float32)
-  seg = jnp.asarray(np.repeat([[1, 2]], [T // 3, T - T // 3], axis=1).repeat(B, 0))
-  loss = lambda w, x, dy: jnp.sum(short_conv(x, w, seg).astype(jnp.float32) * dy)
-  grad = jax.jit(jax.grad(loss))
-  exact = grad(w, x.astype(jnp.float32), dy.astype(jnp.float32))
-  err = np.linalg.norm(grad(w, x, dy) - exact) / np.linalg.norm(exact)
-  assert err < 1e-5, err
-  assert short_conv(x, w, seg).dtype == jnp.bfloat16
-
-
 def test_bf16_gradients_sum_in_fp32():
   """With bf16 compute, no sum in the model's gradient runs in bf16: a parameter's gradient
   summed over positions (the short conv's taps) or an activation's over heads (MLA's shared
-  rope key) loses a percent or more so (test_short_conv_tap_gradients_sum_in_fp32). Sums
-  over an axis of length 1 change nothing and are allowed."""
+  rope key) loses a percent or more so (test_short_conv.py's
+  test_tap_gradients_sum_in_fp32). Sums over an axis of length 1 change nothing and are
+  allowed."""
   cfg = micro_config().model
   cfg.dtype = "bfloat16"
   graph, params, rest = nnx.split(K3Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)

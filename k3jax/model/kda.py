@@ -1,7 +1,8 @@
 """The Kimi Delta Attention layer (K3_SPEC 2.1): projections, short conv, bounded gate.
 
-The token-mixing recurrence itself lives in `pallas_kernels.kda`; this layer calls its
-dispatcher with the backend named in `config.model.kda.backend`.
+The token-mixing recurrence lives in `pallas_kernels.kda`, the short convolution (with its
+SiLU and q/k's L2 norm) in `pallas_kernels.short_conv`; this layer calls their dispatchers
+with the backends named in `config.model.kda.backend` and `.conv_backend`.
 """
 
 from __future__ import annotations
@@ -16,30 +17,7 @@ from k3jax.model import layers
 from k3jax.model import axes
 from k3jax.model.axes import constrain
 from pallas_kernels import kda as kda_ops
-
-
-def short_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array) -> jax.Array:
-  """Depthwise causal convolution that never reads across a document boundary.
-
-  x: [B, T, H, D]; weight: [W, H, D] (tap j multiplies x[t - j]); segment_ids: [B, T].
-  Computed in fp32, so that the taps' gradients are fp32 sums over all B x T positions (in
-  bf16 they were 1.2% off at 8k positions), and returned in x's dtype: fp32 weights must
-  not promote bf16 activations (the recurrence after it would run its matmuls in fp32: its
-  chunk backward 16x slower on the H200).
-  """
-  xf, weight = x.astype(jnp.float32), weight.astype(jnp.float32)
-  out = xf * weight[0]
-  for j in range(1, weight.shape[0]):
-    shifted = jnp.pad(xf, ((0, 0), (j, 0), (0, 0), (0, 0)))[:, :-j]
-    same_doc = jnp.pad(segment_ids, ((0, 0), (j, 0)), constant_values=-1)[:, :-j] == segment_ids
-    out = out + jnp.where(same_doc[..., None, None], shifted, 0) * weight[j]
-  return out.astype(x.dtype)
-
-
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  """x / sqrt(sum x^2 + eps) over the last axis, in fp32."""
-  xf = x.astype(jnp.float32)
-  return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+from pallas_kernels import short_conv as conv_ops
 
 
 def _conv_init(key, shape, dtype):
@@ -84,6 +62,7 @@ class KDA(nnx.Module):
     self.o_proj = layers.Dense((h, k), d, ("heads", "head_dim", "embed"), **dense)
     self.gate_kind, self.lower_bound = c.gate, c.gate_lower_bound
     self.chunk_size, self.backend = c.chunk_size, c.backend
+    self.conv_backend = c.conv_backend
 
   def decay(self, x: jax.Array) -> jax.Array:
     """Per-channel log-decay g [B, T, H, K] in fp32; in (lower_bound, 0) for the bounded gate."""
@@ -96,15 +75,19 @@ class KDA(nnx.Module):
   def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:
     """y [B, T, d] and an empty aux (mixers return (y, aux), see `MLA`)."""
     act = ("batch", "seq", "heads", "head_dim")
-    q = constrain(jax.nn.silu(short_conv(self.q_proj(x), self.q_conv[...], segment_ids)), act)
-    k = constrain(jax.nn.silu(short_conv(self.k_proj(x), self.k_conv[...], segment_ids)), act)
-    v = constrain(jax.nn.silu(short_conv(self.v_proj(x), self.v_conv[...], segment_ids)), act)
-    q, k = l2_normalize(q).astype(v.dtype), l2_normalize(k).astype(v.dtype)
-    beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
     spec = axes.logical_to_spec(act)   # where q/k/v live, for the kernels' shard_map
+    where = dict(mesh=axes.current_mesh(), batch_axis=spec[0], head_axis=spec[2])
+
+    def conv(proj, weight, normalize):  # silu(short conv), L2-normalized for q and k
+      return constrain(conv_ops.short_conv(proj(x), weight[...], segment_ids,
+                                           normalize=normalize, backend=self.conv_backend,
+                                           **where), act)
+
+    q, k = conv(self.q_proj, self.q_conv, True), conv(self.k_proj, self.k_conv, True)
+    v = conv(self.v_proj, self.v_conv, False)
+    beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
     o = kda_ops.kda(q, k, v, self.decay(x), beta, segment_ids=segment_ids,
-                    backend=self.backend, chunk_size=self.chunk_size or None,
-                    mesh=axes.current_mesh(), batch_axis=spec[0], head_axis=spec[2])
+                    backend=self.backend, chunk_size=self.chunk_size or None, **where)
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(
         self.gate_proj(x).astype(jnp.float32))
     return constrain(self.o_proj(o.astype(x.dtype)), ("batch", "seq", "embed")), {}

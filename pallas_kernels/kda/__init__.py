@@ -1,11 +1,10 @@
 """Kimi Delta Attention ops: `kda` dispatches to a backend; all share one contract
 (arrays [B, T, H, ...], see `kda_naive`)."""
 
-import jax
-
 from pallas_kernels.kda.chunk import LOWER_BOUND, kda_chunk
 from pallas_kernels.kda.naive import kda_naive
 from pallas_kernels.kda.pallas import default_chunk, kda_pallas, kda_pallas_sharded
+from pallas_kernels.platform import target_platform
 
 __all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", "kda_naive",
            "kda_pallas"]
@@ -33,12 +32,6 @@ def default_chunk_size(backend: str, platform: str) -> int:
   return default_chunk(platform) if backend == "kernel" else 64
 
 
-def _platform(mesh, platform):
-  if platform is None:
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-  return "gpu" if platform == "cuda" else platform
-
-
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
         segment_ids=None, output_final_state=False, chunk_size=None, sub_chunk_size=16,
         mesh=None, batch_axis=None, head_axis=None, platform=None):
@@ -56,7 +49,7 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   """
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
-  platform = _platform(mesh, platform)
+  platform = target_platform(mesh, platform)
   if backend not in BACKENDS:
     raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")
   chunk_size = chunk_size or default_chunk_size(backend, platform)

@@ -32,6 +32,12 @@ class Config:
   # this one's products). H200, rec_bwd at (1, 32768, 16, 128): 3.99 ms at 1, 2.15 at 3
   rec_stages: int = 3
   rec_warps: int = 4  # the recurrences' warps per program (GPU)
+  # rec_fwd when it saves the chunk states (the training forward; GPU): its own V block and
+  # warps, 0 for block_v and rec_warps. H200 (results/kda.md, session 11): V blocks of 32
+  # at 2 warps 2.90 ms against 3.17 at 64 / 4 at (2, 8192, 96, 128), 0.76 vs 0.88 at
+  # (8, 4096, 16, 128); rec_bwd and the stateless forward gain nothing from it.
+  states_block_v: int = 0
+  states_warps: int = 0
   # chunk_cots (GPU). H200, (8, 4096, 16, 128): 1.38 ms at 4 warps, 1.89 at 8, though at 4
   # it spills 184 bytes a thread (kernel_resources.py)
   cots_warps: int = 4

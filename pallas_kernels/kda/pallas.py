@@ -34,9 +34,9 @@ Layout: per-token arrays stay [B, T, H, D] on GPU and in interpret mode (a block
 head's rows, strided); on TPU the wrapper moves them to [B, H, T, D] (`heads_major`). T is
 padded to a multiple of the chunk and D to a power of two >= 16 (a copy only when needed).
 
-Speed (H200, 2026-12-01, benchmarks/results/kda.md, session 10): chunks of 16 (one diagonal
-tile) are fastest on the GPU; at (8, 4096, 16, 128) forward 1.31 ms (fla 1.54), forward +
-backward 7.34 ms (fla 7.37), of which chunk_bwd 3.6 ms (bound by its chain of small
+Speed (H200, 2026-12-01, benchmarks/results/kda.md, session 11): chunks of 16 (one diagonal
+tile) are fastest on the GPU; at (8, 4096, 16, 128) forward 1.32 ms (fla 1.54), forward +
+backward 7.18 ms (fla 7.33), of which chunk_bwd 3.6 ms (bound by its chain of small
 dependent tile products, not by bandwidth or FLOPs).
 """
 
@@ -58,6 +58,10 @@ from pallas_kernels.kda.chunk import check_sub_chunk
 # 4.05 / 3.09 at 64, 3.07 / 2.05 at 32, 2.72 / 1.85 at 16.
 MIN_PROGRAMS = 256
 BLOCKS_V = (64, 32, 16)
+# rec_fwd saving states (GPU): V blocks of STATES_BLOCK_V at STATES_WARPS warps where they
+# give MIN_PROGRAMS programs (blocks.Config.states_block_v); at (1, 32768, 16, 128) 2 warps
+# were slower.
+STATES_BLOCK_V, STATES_WARPS = 32, 2
 # The GPU kernels' chunk lengths (H200, results/kda.md, session 7): chunk_bwd holds a chunk's
 # prep and its vjp at once; at C = 32 it runs 5x slower than at 16 (register spills), at 64
 # Triton asks for 320 KiB of shared memory, over the H200's 227 KiB.
@@ -139,11 +143,11 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
     platform: "gpu" or "tpu"; None: the default backend's.
     block_v: V columns per program of the recurrence (GPU, interpret); None: the widest of
       BLOCKS_V with B * H * V / block_v >= MIN_PROGRAMS, else the narrowest (long sequences
-      of few rows and heads).
+      of few rows and heads); on GPU rec_fwd saving states then takes STATES_BLOCK_V.
     save_states: keep prep's outputs and the state entering each chunk for the backward
       (else recompute them there).
     tuning: further `Config` fields (prep_warps, prep_precision, rec_stages, rec_warps,
-      cots_warps, bwd_warps, bwd_precision).
+      states_block_v, states_warps, cots_warps, bwd_warps, bwd_precision).
 
   Returns:
     o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
@@ -190,6 +194,9 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   if block_v is None:
     block_v = next((bv for bv in BLOCKS_V if B * H * max(1, Vp // bv) >= MIN_PROGRAMS),
                    BLOCKS_V[-1])
+    if (platform == "gpu" and "states_block_v" not in tuning and Vp % STATES_BLOCK_V == 0
+        and B * H * (Vp // STATES_BLOCK_V) >= MIN_PROGRAMS):
+      tuning.update(states_block_v=STATES_BLOCK_V, states_warps=STATES_WARPS)
   cfg = blocks.Config(scale=float(K ** -0.5 if scale is None else scale), chunk=C, sub=L,
                block_v=block_v, mm_dtype=jnp.dtype(q.dtype).name if q.dtype == jnp.bfloat16
                else "float32", interpret=interpret, platform=platform,

@@ -62,11 +62,13 @@ def _rec_fwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o
     st_ref[...] = st
 
 
-def _sizes(cfg, w, V, dec):
+def _sizes(cfg, w, V, dec, states=False):
   """(B, H, Tp, K, N, BV) of a recurrence call: w [B, H, Tp, K], dec [B, H, N, 1, K], and
-  the V columns per program (TPU: lane-dense blocks, all of V or 128 columns)."""
+  the V columns per program (TPU: lane-dense blocks, all of V or 128 columns; states: for
+  rec_fwd saving the chunk states)."""
   B, H, Tp, K = blocks.dims(cfg, w)
-  BV = (V if V <= 128 else 128) if cfg.platform == "tpu" else min(cfg.block_v, V)
+  bv = cfg.states_block_v if states and cfg.states_block_v else cfg.block_v
+  BV = (V if V <= 128 else 128) if cfg.platform == "tpu" else min(bv, V)
   return B, H, Tp, K, dec.shape[2], BV
 
 
@@ -82,7 +84,7 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
   state [B, H, V, K] fp32 and, if save_states, the state entering each chunk
   [B, H, N, V, K] in the operand dtype."""
   V, C = u.shape[-1], cfg.chunk
-  B, H, Tp, K, N, BV = _sizes(cfg, w, V, dec)
+  B, H, Tp, K, N, BV = _sizes(cfg, w, V, dec, save_states)
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, V), out_dtype),
                jax.ShapeDtypeStruct((B, H, V, K), F32)]
   if save_states:
@@ -115,8 +117,8 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
       cfg, functools.partial(_rec_fwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
       in_specs=[full(K), vblk, full(C), full(K), full(K),
                 pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)), state],
-      out_specs=out_specs, out_shape=out_shape, num_warps=cfg.rec_warps, num_stages=cfg.rec_stages,
-  )(*args)
+      out_specs=out_specs, out_shape=out_shape, num_stages=cfg.rec_stages,
+      num_warps=(cfg.states_warps or cfg.rec_warps) if save_states else cfg.rec_warps)(*args)
 
 
 def _rec_bwd_step(cfg, w, a, qs, ks, dec, do, dst):

@@ -1,0 +1,179 @@
+"""KDA's short convolution as Pallas Triton kernels (GPU; interpret mode anywhere).
+
+One program per (batch row, block of T rows, head) reads its rows and the W - 1 rows before
+them by row index (a gather, masked at the sequence start and at document boundaries), so
+no copy of x is shifted or padded in memory. Everything is fp32 inside; the output is in
+x's dtype.
+
+Forward: y = silu(p) (L2-normalized over D if asked), p = sum_j w[j] * x[t - j].
+Backward, two kernels (the input gradient at row t needs dp at rows t .. t + W - 1, which
+another program computes; recomputing those W - 1 rows' dp in one kernel instead was 30-40%
+slower on the H200, results/short_conv.md):
+- `_grad_p_kernel` recomputes p and writes dp (fp32) and each block's tap sums
+  sum_t x[t - j] * dp[t] (fp32; the wrapper adds the blocks up);
+- `_grad_x_kernel`: dx[t] = sum_j w[j] * dp[t + j].
+Nothing but x is saved for the backward.
+
+Mosaic (TPU) has no row gather from a VMEM block, so the dispatcher runs the reference on
+TPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.short_conv.reference import EPS, F32
+
+# Rows per program. H200, (8, 4096, 16, 128) bf16, forward + backward (results/
+# short_conv.md): q/k 0.79 ms at 16, 0.82 at 32, 1.03 at 64; v 0.66, 0.77, 0.86.
+BLOCK_T = 16
+
+
+def _pow2(n, lo):
+  return max(lo, 1 << (n - 1).bit_length())
+
+
+def _rows(block_t):
+  return pl.program_id(1) * block_t + jnp.arange(block_t)
+
+
+def _tap(ref, seg_ref, t, seg_t, j, limit):
+  """ref's rows t + j (fp32 [BT, D]), zero where t + j is outside [0, limit) or in
+  another document than t."""
+  r = t + j
+  ok = (r >= 0) & (r < limit)
+  r = jnp.clip(r, 0, limit - 1)
+  ok = ok & (seg_ref[r] == seg_t)
+  return jnp.where(ok[:, None], ref[r, :].astype(F32), 0.0)
+
+
+def _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit):
+  """p = sum_j w[j] x[t - j], fp32 [BT, D]."""
+  p = x_ref[t, :].astype(F32) * w_ref[0, :].astype(F32)[None]
+  for j in range(1, taps):
+    p += _tap(x_ref, seg_ref, t, seg_t, -j, limit) * w_ref[j, :].astype(F32)[None]
+  return p
+
+
+def _act(p, normalize):
+  """(y, sigmoid(p), 1 / |silu(p)| or None)."""
+  sg = jax.nn.sigmoid(p)
+  s = p * sg
+  if not normalize:
+    return s, sg, None
+  r = jax.lax.rsqrt(jnp.sum(s * s, axis=1, keepdims=True) + EPS)
+  return s * r, sg, r
+
+
+def _fwd_kernel(x_ref, w_ref, seg_ref, y_ref, *, taps, normalize, block_t):
+  t = _rows(block_t)
+  limit = x_ref.shape[0]
+  p = _preact(x_ref, w_ref, seg_ref, t, seg_ref[t], taps, limit)
+  y_ref[...] = _act(p, normalize)[0].astype(y_ref.dtype)
+
+
+def _grad_p_kernel(x_ref, w_ref, seg_ref, dy_ref, dp_ref, dw_ref, *, taps, normalize,
+                   block_t):
+  t = _rows(block_t)
+  limit, seg_t = x_ref.shape[0], seg_ref[t]
+  p = _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit)
+  y, sg, r = _act(p, normalize)
+  dy = dy_ref[...].astype(F32)
+  ds = r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True)) if normalize else dy
+  dp = ds * sg * (1.0 + p * (1.0 - sg))
+  dp_ref[...] = dp
+  dw_ref[0, :] = jnp.sum(x_ref[t, :].astype(F32) * dp, axis=0)
+  for j in range(1, taps):
+    dw_ref[j, :] = jnp.sum(_tap(x_ref, seg_ref, t, seg_t, -j, limit) * dp, axis=0)
+
+
+def _grad_x_kernel(dp_ref, w_ref, seg_ref, dx_ref, *, taps, block_t):
+  t = _rows(block_t)
+  limit, seg_t = dp_ref.shape[0], seg_ref[t]
+  dx = dp_ref[t, :] * w_ref[0, :].astype(F32)[None]
+  for j in range(1, taps):
+    dx += _tap(dp_ref, seg_ref, t, seg_t, j, limit) * w_ref[j, :].astype(F32)[None]
+  dx_ref[...] = dx.astype(dx_ref.dtype)
+
+
+def _call(kernel, *args, grid, in_specs, out_specs, out_shape, interpret):
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+    params = dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, interpret=interpret, **params)(*args)
+
+
+def _specs(Tp, D, Wp, block_t):
+  """BlockSpecs, grid (B, Tp / BT, H): (all of one head's rows, its block of rows, its
+  taps, the row's segment ids)."""
+  whole = pl.BlockSpec((None, Tp, None, D), lambda b, i, h: (b, 0, h, 0))
+  block = pl.BlockSpec((None, block_t, None, D), lambda b, i, h: (b, i, h, 0))
+  taps = pl.BlockSpec((Wp, None, D), lambda b, i, h: (0, h, 0))
+  seg = pl.BlockSpec((None, Tp), lambda b, i, h: (b, 0))
+  return whole, block, taps, seg
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _conv(taps, normalize, block_t, interpret, x, w, seg):
+  B, Tp, H, D = x.shape
+  whole, block, taps_spec, seg_spec = _specs(Tp, D, w.shape[0], block_t)
+  kernel = functools.partial(_fwd_kernel, taps=taps, normalize=normalize, block_t=block_t)
+  return _call(kernel, x, w, seg, grid=(B, Tp // block_t, H),
+               in_specs=[whole, taps_spec, seg_spec], out_specs=block,
+               out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
+
+
+def _conv_fwd(taps, normalize, block_t, interpret, x, w, seg):
+  return _conv(taps, normalize, block_t, interpret, x, w, seg), (x, w, seg)
+
+
+def _conv_bwd(taps, normalize, block_t, interpret, res, dy):
+  x, w, seg = res
+  B, Tp, H, D = x.shape
+  Wp, n = w.shape[0], Tp // block_t
+  whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, block_t)
+  grid = (B, n, H)
+  dw_spec = pl.BlockSpec((None, None, Wp, None, D), lambda b, i, h: (b, i, 0, h, 0))
+  kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize, block_t=block_t)
+  dp, dw_blocks = _call(
+      kernel, x, w, seg, dy, grid=grid, in_specs=[whole, taps_spec, seg_spec, block],
+      out_specs=[block, dw_spec],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, F32),
+                 jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)], interpret=interpret)
+  kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t)
+  dx = _call(kernel, dp, w, seg, grid=grid, in_specs=[whole, taps_spec, seg_spec],
+             out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+             interpret=interpret)
+  dw = jnp.sum(dw_blocks, axis=(0, 1)).astype(w.dtype)
+  return dx, dw, None
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
+                      normalize: bool = False, block_t: int = BLOCK_T,
+                      interpret: bool = False) -> jax.Array:
+  """`short_conv_reference` (same arguments and result) through the kernels. T is padded
+  to a multiple of the row block, D to a power of two >= 16 and the taps to a power of two
+  (Triton's block shapes; a copy only when needed)."""
+  B, T, H, D = x.shape
+  W = weight.shape[0]
+  if weight.shape != (W, H, D) or segment_ids.shape != (B, T):
+    raise ValueError(f"short_conv: x {x.shape} needs weight [W, {H}, {D}] and segment_ids "
+                     f"[{B}, {T}]; got {weight.shape} and {segment_ids.shape}")
+  block_t = min(block_t, _pow2(T, 16))
+  Tp, Dp, Wp = -(-T // block_t) * block_t, _pow2(D, 16), _pow2(W, 1)
+  if (Tp, Dp) != (T, D):
+    x = jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D)))
+    segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Tp - T)), constant_values=-1)
+  if (Wp, Dp) != (W, D):
+    weight = jnp.pad(weight, ((0, Wp - W), (0, 0), (0, Dp - D)))
+  y = _conv(W, normalize, block_t, interpret, x, weight, segment_ids.astype(jnp.int32))
+  return y[:, :T, :, :D]
