@@ -39,12 +39,12 @@ _PRETRAIN = {"mesh.data": 1, "mesh.fsdp": 8, "mesh.expert": 128, "mesh.tensor": 
              # splash attention on TPU: no [B, H, T, T] scores (131,072 tokens need it)
              "model.mla.attention": "auto"}
 VARIANTS = {
-    # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step. Fits: 86.6 GiB per
-    # chip (aot_k3_full.md row H'; the smallest v5p slice that does: half of it holds 54.5
+    # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step. Fits: 87.2 GiB per
+    # chip (aot_k3_full.md row H''; the smallest v5p slice that does: half of it holds 54.5
     # GiB of state per chip).
     "v5p-2048": dict(topology=_V5P_2048, fields=_PRETRAIN),
     # 512 Ironwood chips = 1,024 devices (one per die, 96 GiB each): the same layout, with
-    # XLA's latency-hiding scheduler off: it fits (89.0 of 96 GiB, aot_k3_full.md row L);
+    # XLA's latency-hiding scheduler off: it fits (89.2 of 96 GiB, aot_k3_full.md row M);
     # with it on, the collectives it overlaps hold 112.5 GiB (row I). What the lost overlap
     # costs in step time can only be measured on Ironwood.
     "tpu7x-1024": dict(topology=dict(name="tpu7x:8x8x8"), fields={
