@@ -51,6 +51,7 @@ import numpy as np
 from pallas_kernels.kda import blocks, chunk_kernels, recurrence
 from pallas_kernels.kda.blocks import F32
 from pallas_kernels.kda.chunk import check_sub_chunk
+from pallas_kernels.platform import target_platform
 
 # block_v=None: the widest V block of 64, 32 or 16 that gives the recurrences this many
 # programs, else 16. H200, chunk 16 (results/kda.md, session 10), rec_fwd / rec_bwd in ms:
@@ -176,9 +177,7 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   sees/last masks [B, Tp, 1]."""
   B, T, H, K = q.shape
   V = v.shape[-1]
-  platform = platform or ("cpu" if interpret else jax.default_backend())
-  if platform == "cuda":
-    platform = "gpu"
+  platform = "cpu" if interpret and platform is None else target_platform(None, platform)
   C, L = chunk_size or default_chunk(platform), sub_chunk_size
   if C & (C - 1) or C < 16:
     raise ValueError(f"chunk_size={C} must be a power of two >= 16")
