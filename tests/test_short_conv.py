@@ -121,8 +121,11 @@ def test_dispatcher():
   assert not has_kernel("tpu") and not has_kernel("cpu")
   with pytest.raises(ValueError, match="unknown short-conv backend 'triton'"):
     short_conv(x, w, seg, backend="triton")
-  with pytest.raises(ValueError, match=r"needs weight \[W, 2, 16\]"):
-    short_conv(x, w[:, :1], seg, backend="kernel")
+  for backend in ("reference", "kernel"):  # [W, 1, D] would broadcast over the heads
+    with pytest.raises(ValueError, match=r"needs weight \[W, 2, 16\]"):
+      short_conv(x, w[:, :1], seg, backend=backend)
+    with pytest.raises(ValueError, match=r"segment_ids \[1, 16\]"):
+      short_conv(x, w, seg[:, :8], backend=backend)
 
 
 def test_lowers_for_cuda():

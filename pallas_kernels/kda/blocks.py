@@ -127,11 +127,13 @@ def tokens(cfg, rows, cols, index):
   return pl.BlockSpec((None, rows, None, cols), seq_major)
 
 
-def chunk_specs(cfg):
+def chunk_specs(cfg, K):
   """BlockSpecs of one chunk per program, grid (B, H, N): (per-token [.., C, d] of d
-  columns, per-token column [B, Tp, 1], the chunk's document row [B, N, 1, C])."""
+  columns, per-token column [B, Tp, 1], the chunk's document row [B, N, 1, C], the chunk's
+  decay row [B, H, N, 1, K])."""
   C = cfg.chunk
   tok = lambda d: tokens(cfg, C, d, lambda b, h, n: (b, h, n, 0))
   col = pl.BlockSpec((None, C, 1), lambda b, h, n: (b, n, 0))
   row = pl.BlockSpec((None, None, 1, C), lambda b, h, n: (b, n, 0, 0))
-  return tok, col, row
+  dec = pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))
+  return tok, col, row, dec

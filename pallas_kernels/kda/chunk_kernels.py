@@ -40,7 +40,7 @@ def prep(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
   V = v.shape[-1]
   C = cfg.chunk
   N = Tp // C
-  tok, col, row = blocks.chunk_specs(cfg)
+  tok, col, row, per_chunk = blocks.chunk_specs(cfg, K)
   dtypes = _prep_dtypes(cfg)
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, d), dt)
                for d, dt in zip((K, V, C, K, K), dtypes)]
@@ -48,8 +48,7 @@ def prep(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
   return blocks.call(
       cfg, functools.partial(_prep_kernel, cfg=cfg), grid=(B, H, N),
       in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col],
-      out_specs=[tok(K), tok(V), tok(C), tok(K), tok(K),
-                 pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))],
+      out_specs=[tok(K), tok(V), tok(C), tok(K), tok(K), per_chunk],
       out_shape=out_shape, num_warps=cfg.prep_warps,
   )(q, k, v, g, beta, doc_c, doc_r, sees, last)
 
@@ -76,9 +75,8 @@ def chunk_cots(cfg, w, u, states, dstates, do, dvn):
   one kernel holding both ran out of registers (H200: 255 per thread, spilling)."""
   B, H, Tp, K = blocks.dims(cfg, w)
   C, N, V = cfg.chunk, states.shape[2], u.shape[-1]
-  tok, _, _ = blocks.chunk_specs(cfg)
+  tok, _, _, per_chunk = blocks.chunk_specs(cfg, K)
   state = pl.BlockSpec((None, None, None, V, K), lambda b, h, n: (b, h, n, 0, 0))
-  per_chunk = pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, d), F32)
                for d in (K, C, K, K)]
   out_shape.append(jax.ShapeDtypeStruct((B, H, N, 1, K), F32))
@@ -109,8 +107,7 @@ def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, 
   chunk's prep recomputed in registers and its vjp derived by hand
   (`tile.chunk_prep_vjp`)."""
   C, K, V = cfg.chunk, q.shape[-1], v.shape[-1]
-  tok, col, row = blocks.chunk_specs(cfg)
-  per_chunk = pl.BlockSpec((None, None, None, 1, K), lambda b, h, n: (b, h, n, 0, 0))
+  tok, col, row, per_chunk = blocks.chunk_specs(cfg, K)
   B, H, Tp, _ = blocks.dims(cfg, q)
   out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, g, beta)]
   return blocks.call(

@@ -47,6 +47,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import blocks, chunk_kernels, recurrence
 from pallas_kernels.kda.blocks import F32
@@ -122,10 +123,6 @@ _kda_core.defvjp(_core_fwd, _core_bwd)
 # --------------------------------------------------------------------------------- wrapper
 
 
-def _pow2(n, lo=16):
-  return max(lo, 1 << (n - 1).bit_length())
-
-
 def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                output_final_state=False, chunk_size=None, sub_chunk_size=16, interpret=False,
                platform=None, block_v=None, save_states=True, **tuning):
@@ -189,7 +186,7 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
     raise ValueError(f"chunk_size={C} is not a multiple of sub_chunk_size={L}, or L is not "
                      "a power of two")
   check_sub_chunk(L)
-  Kp, Vp = _pow2(K), _pow2(V)
+  Kp, Vp = (max(16, pl.next_power_of_2(d)) for d in (K, V))
   if block_v is None:
     block_v = next((bv for bv in BLOCKS_V if B * H * max(1, Vp // bv) >= MIN_PROGRAMS),
                    BLOCKS_V[-1])

@@ -26,15 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.short_conv.reference import EPS, F32
+from pallas_kernels.short_conv.reference import EPS, F32, check_shapes
 
 # Rows per program. H200, (8, 4096, 16, 128) bf16, forward + backward (results/
 # short_conv.md): q/k 0.79 ms at 16, 0.82 at 32, 1.03 at 64; v 0.66, 0.77, 0.86.
 BLOCK_T = 16
-
-
-def _pow2(n, lo):
-  return max(lo, 1 << (n - 1).bit_length())
 
 
 def _rows(block_t):
@@ -163,13 +159,12 @@ def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *
   """`short_conv_reference` (same arguments and result) through the kernels. T is padded
   to a multiple of the row block, D to a power of two >= 16 and the taps to a power of two
   (Triton's block shapes; a copy only when needed)."""
+  check_shapes(x, weight, segment_ids)
   B, T, H, D = x.shape
   W = weight.shape[0]
-  if weight.shape != (W, H, D) or segment_ids.shape != (B, T):
-    raise ValueError(f"short_conv: x {x.shape} needs weight [W, {H}, {D}] and segment_ids "
-                     f"[{B}, {T}]; got {weight.shape} and {segment_ids.shape}")
-  block_t = min(block_t, _pow2(T, 16))
-  Tp, Dp, Wp = -(-T // block_t) * block_t, _pow2(D, 16), _pow2(W, 1)
+  pow2 = pl.next_power_of_2
+  block_t = min(block_t, max(16, pow2(T)))
+  Tp, Dp, Wp = -(-T // block_t) * block_t, max(16, pow2(D)), pow2(W)
   if (Tp, Dp) != (T, D):
     x = jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D)))
     segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Tp - T)), constant_values=-1)

@@ -10,6 +10,15 @@ F32 = jnp.float32
 EPS = 1e-6  # added to the sum of squares of the L2 norm
 
 
+def check_shapes(x: jax.Array, weight: jax.Array, segment_ids: jax.Array):
+  """ValueError naming the shapes unless weight is [W, H, D] and segment_ids [B, T] for x
+  [B, T, H, D] (broadcasting would otherwise hide a wrong weight)."""
+  B, T, H, D = x.shape
+  if weight.ndim != 3 or weight.shape[1:] != (H, D) or segment_ids.shape != (B, T):
+    raise ValueError(f"short_conv: x {x.shape} needs weight [W, {H}, {D}] and segment_ids "
+                     f"[{B}, {T}]; got {weight.shape} and {segment_ids.shape}")
+
+
 def short_conv_reference(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                          normalize: bool = False) -> jax.Array:
   """silu(causal depthwise conv of x), L2-normalized over D if `normalize`.
@@ -19,6 +28,7 @@ def short_conv_reference(x: jax.Array, weight: jax.Array, segment_ids: jax.Array
   fp32 sums over all B x T positions (in bf16 they were 1.2% off at 8k positions). Returns
   [B, T, H, D] in x's dtype: fp32 weights must not promote bf16 activations.
   """
+  check_shapes(x, weight, segment_ids)
   xf, weight = x.astype(F32), weight.astype(F32)
   out = xf * weight[0]
   for j in range(1, weight.shape[0]):
