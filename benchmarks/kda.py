@@ -10,6 +10,9 @@ fla autotunes its Triton kernels on every new shape: over 200 s for the first sh
 (2026-11-30), so give a call several minutes per shape. Run on the H200 (fla carried as
 wheels, see /work/shared/ANCHORS.md):
     python3 benchmarks/kda.py --shapes 8,4096,16,128 1,32768,16,128 --peer fla
+    python3 benchmarks/kda.py --shapes 1,32768,16,128 --variants s1,s4,s8 --peer none
+    python3 benchmarks/kda.py --breakdown --shapes 1,32768,16,128 --rec w4:bv64:s8 \
+        --spans w4:bv64:s8,w4:bv32:s8
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ VARIANTS = {"save": dict(save_states=True), "recompute": dict(save_states=False)
             "w4": dict(bwd_warps=4), "w16": dict(bwd_warps=16),
             "bwdtf32": dict(bwd_precision="tf32"), "bwdtf32x3": dict(bwd_precision="tf32x3"),
             "preptf32": dict(prep_precision="tf32"),
-            "preptf32x3": dict(prep_precision="tf32x3")}
+            "preptf32x3": dict(prep_precision="tf32x3"),
+            "nost": dict(states_block_v=0, states_warps=0),
+            **{f"s{n}": dict(spans=n) for n in (1, 2, 4, 8, 16, 32, 64)}}
 
 
 def rel_rms(a, b):
@@ -151,6 +156,25 @@ def layer(B, T, reps, backends=("kernel:16", "chunk:32"), profile=None):
     if profile:
       print_costliest(os.path.join(profile, f"{B}x{T}-{item.replace(':', '-')}"), step,
                       (params, x), item)
+  gate_cost(cfg, x, reps)
+
+
+def gate_cost(cfg, x, reps):
+  """What fusing the bounded gate into the kernels could save at most: forward+backward of
+  the layer's decay (f_down, f_up, then g = lower_bound sigmoid(A (f + bias)) in fp32)
+  against the two projections alone; the difference is the gate's own elementwise passes."""
+  from flax import nnx  # noqa: PLC0415
+
+  from k3jax.model.kda import KDA  # noqa: PLC0415
+  graph, params = nnx.split(KDA(cfg.model, rngs=nnx.Rngs(0)))
+  parts = {"decay (projections + gate)": lambda m, x: m.decay(x),
+           "projections alone": lambda m, x: m.f_up(m.f_down(x))}
+  for name, part in parts.items():
+    def loss(p, x, part=part):
+      return jnp.sum(part(nnx.merge(graph, p), x).astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    print(f"  {name}: fwd+bwd {time_jax(step, (params, x), reps):.3f} ms", flush=True)
 
 
 def print_costliest(folder, fn, args, label, calls=3):
@@ -229,13 +253,14 @@ def run_fla(x, reps):
 
 
 def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, interpret=False,
-              chunk=None, gate_dtype="bfloat16"):
+              chunk=None, gate_dtype="bfloat16", span_variants=()):
   """Times of the pieces at one shape: prep (per tuning in variants), rec_fwd and rec_bwd
-  (per tuning in rec_variants), chunk_cots (per warp count in cots_warps) and chunk_bwd (per
-  tuning in bwd_variants). gate_dtype: g's dtype ("float32" as the model's layer passes
+  (per tuning in rec_variants), chunk_cots (per warp count in cots_warps), chunk_bwd (per
+  tuning in bwd_variants) and the pieces of the spans' forward (per tuning in
+  span_variants). gate_dtype: g's dtype ("float32" as the model's layer passes
   it). A piece that fails to compile prints its error and the others still run."""
   import dataclasses  # noqa: PLC0415
-  from pallas_kernels.kda import blocks, chunk_kernels, recurrence  # noqa: PLC0415
+  from pallas_kernels.kda import blocks, chunk_kernels, recurrence, spans  # noqa: PLC0415
   from pallas_kernels.kda import pallas as P  # noqa: PLC0415
   B, T, H, D = shape
   x = make_inputs(0, B, T, H, D)
@@ -246,6 +271,7 @@ def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, int
                               chunk_size=chunk, sub_chunk_size=16, interpret=interpret,
                               platform=None, block_v=None, save_states=True)
   q, k, v, g, beta, st0, *masks = args
+  Tp = blocks.dims(cfg, q)[2]
 
   def timed(name, fn, fn_args):
     try:
@@ -264,14 +290,26 @@ def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, int
   w, u, a, qs, ks, dec = prep
   for name, kw in rec_variants.items():
     c = dataclasses.replace(cfg, **kw)
-    timed(f"rec_fwd[{name}]", lambda *a, c=c: recurrence.rec_fwd(c, *a, jnp.bfloat16, True),
-          (*prep, st0))
-    timed(f"rec_fwd[{name}, no states]",
-          lambda *a, c=c: recurrence.rec_fwd(c, *a, jnp.bfloat16, False), (*prep, st0))
-    timed(f"rec_bwd[{name}]", lambda *a, c=c: recurrence.rec_bwd(c, *a),
-          (w, a, qs, ks, dec, do, dst))
-  _, _, states = jax.jit(lambda *a: recurrence.rec_fwd(cfg, *a, jnp.bfloat16, True))(*prep, st0)
-  dvn, dstates, _ = jax.jit(lambda *a: recurrence.rec_bwd(cfg, *a))(w, a, qs, ks, dec, do, dst)
+    if Tp % (c.chunk * c.spans):
+      print(f"  {name}: {c.spans} spans do not divide {Tp // c.chunk} chunks", flush=True)
+      continue
+    timed(f"recurrence fwd[{name}]",
+          lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, True), (*prep, st0))
+    timed(f"recurrence fwd[{name}, no states]",
+          lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, False), (*prep, st0))
+    t = jax.jit(lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, False)[3])(*prep, st0)
+    timed(f"recurrence bwd[{name}]", lambda *a, c=c: spans.backward(c, *a),
+          (w, a, qs, ks, dec, do, dst, t))
+  for name, kw in span_variants.items():  # the spans' forward, piece by piece
+    c = dataclasses.replace(cfg, **kw)
+    timed(f"transitions[{name}]", lambda *a, c=c: spans.transitions(c, *a), (w, u, ks, dec))
+    t = jax.jit(lambda *a, c=c: spans.transitions(c, *a))(w, u, ks, dec)
+    timed(f"chain[{name}]", lambda *a, c=c: spans.chain(c, *a, reverse=False), (t, t, st0))
+    entering = jax.jit(lambda *a, c=c: spans.chain(c, *a, reverse=False)[0])(t, t, st0)
+    timed(f"rec_fwd from the spans' states[{name}, no states]",
+          lambda *a, c=c: recurrence.rec_fwd(c, *a, jnp.bfloat16, False), (*prep, entering))
+  _, _, states, t = jax.jit(lambda *a: spans.forward(cfg, *a, jnp.bfloat16, True))(*prep, st0)
+  dvn, dstates, _ = jax.jit(lambda *a: spans.backward(cfg, *a))(w, a, qs, ks, dec, do, dst, t)
   for warps in cots_warps:
     c = dataclasses.replace(cfg, cots_warps=warps)
     timed(f"chunk_cots[w{warps}]", lambda *a, c=c: chunk_kernels.chunk_cots(c, *a),
@@ -312,8 +350,11 @@ def main():
   p.add_argument("--prep", default="w4:tf32,w4:tf32x3",
                  help="prep tunings for --breakdown: warps:prep_precision items")
   p.add_argument("--rec", default="w4:bv64,w4:bv32",
-                 help="recurrence tunings for --breakdown: warps:block_v items (w2:bv32)")
+                 help="recurrence tunings for --breakdown: warps:block_v[:spans] items "
+                      "(w2:bv32, w4:bv64:s16)")
   p.add_argument("--cots", default="4,8", help="chunk_cots warp counts for --breakdown")
+  p.add_argument("--spans", default="",
+                 help="spans-forward tunings for --breakdown: warps:block_v:spans items")
   p.add_argument("--bwd", default="w8:tf32,w4:tf32",
                  help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
   a = p.parse_args()
@@ -333,14 +374,19 @@ def main():
       return {item: {f"{kernel}_warps": int(item.split(":")[0][1:]),
                      f"{kernel}_precision": item.split(":")[1]} for item in spec.split(",")}
 
+    def rec_tuning(item):  # "w4:bv64:s8" -> the Config fields
+      return dict(rec_warps=int(item.split(":")[0][1:]), block_v=int(item.split(":")[1][2:]),
+                  spans=int((item.split(":")[2:] or ["s1"])[0][1:]), states_block_v=0,
+                  states_warps=0)
+
     for shape in a.shapes:
       print(shape, flush=True)
       # each item for both recurrences, rec_fwd saving states too (no states_block_v)
-      rec = {item: dict(rec_warps=int(item.split(":")[0][1:]), block_v=int(item.split(":")[1][2:]),
-                        states_block_v=0, states_warps=0) for item in a.rec.split(",")}
+      rec = {item: rec_tuning(item) for item in a.rec.split(",")}
       breakdown(tuple(map(int, shape.split(","))), tunings(a.prep, "prep"), rec,
                 [int(w) for w in a.cots.split(",")], tunings(a.bwd, "bwd"), a.reps,
-                a.interpret, a.chunk, a.gate_dtype)
+                a.interpret, a.chunk, a.gate_dtype,
+                {item: rec_tuning(item) for item in a.spans.split(",") if item})
     return
   rows, dump = [], {}
   for shape in a.shapes:

@@ -207,8 +207,9 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   local_batch = t.global_batch // jax.process_count()
   tokens_per_step = t.global_batch * t.seq_len
   peak = t.peak_tflops * 1e12 or flops.peak_flops(jax.devices()[0])
-  say(f"data: {cfg.data.source} corpus, {tokenizer.describe()}, seq {t.seq_len}, global batch {t.global_batch} "
-      f"({tokens_per_step:,} tokens/step), {local_batch} rows on this process"
+  say(f"data: {cfg.data.source} corpus, {tokenizer.describe()}, seq {t.seq_len}, "
+      f"global batch {t.global_batch} ({tokens_per_step:,} tokens/step), "
+      f"{local_batch} rows on this process"
       + (f", {t.microbatches} microbatches" if t.microbatches > 1 else ""))
   if cfg.data.images.source != "none":
     v = cfg.model.vision

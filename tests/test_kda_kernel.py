@@ -80,22 +80,28 @@ def test_kernel_chunk16_one_subtile():
   check(out, grads, out_ref, grads_ref, RTOL_FP32, B)
 
 
-def test_kernel_bf16_recompute():
-  """bf16 inputs, K = V = 64, 3 heads, T = 150 (chunks of 32, the last padded), V split in
-  two blocks (four where rec_fwd saves states), chunk states recomputed in the backward:
-  within fla's bf16 tolerances of the fp32 recurrence on the same values."""
-  B, T, H, K, V = 2, 150, 3, 64, 64
+def bf16_against_naive(B, T, H, K, V, **kernel):
+  """The kernels (interpret mode, `kernel` keywords) on bf16 inputs: outputs and gradients,
+  checked against the fp32 naive recurrence on the same values with fla's tolerances."""
   inputs = [x.astype(jnp.bfloat16) for x in make_inputs(2, B, T, H, K, V)[:5]]
   h0 = make_inputs(2, B, T, H, K, V)[5]
   cot = cotangents(3, (B, T, H, V), (B, H, K, V))
   up = [x.astype(jnp.float32) for x in inputs]
   out_ref, grads_ref = forward_and_grads(kda_naive, *up, h0, *cot)
-  fn = functools.partial(interpret, chunk_size=32, block_v=32, save_states=False,
-                         states_block_v=16, states_warps=2)
+  fn = functools.partial(interpret, **kernel)
   out, grads = forward_and_grads(fn, *inputs, h0, cot[0].astype(jnp.bfloat16), cot[1])
+  check(out, grads, out_ref, grads_ref, RTOL_BF16, B)
+  return out, grads
+
+
+def test_kernel_bf16_recompute():
+  """bf16 inputs, K = V = 64, 3 heads, T = 150 (chunks of 32, the last padded), V split in
+  two blocks (four where rec_fwd saves states), chunk states recomputed in the backward:
+  within fla's bf16 tolerances of the fp32 recurrence on the same values."""
+  out, grads = bf16_against_naive(2, 150, 3, 64, 64, chunk_size=32, block_v=32,
+                                  save_states=False, states_block_v=16, states_warps=2)
   assert out[0].dtype == jnp.bfloat16 and out[1].dtype == jnp.float32
   assert [x.dtype for x in grads] == [jnp.bfloat16] * 5 + [jnp.float32]
-  check(out, grads, out_ref, grads_ref, RTOL_BF16, B)
 
 
 def test_bf16_gate_gradient_is_as_accurate_as_the_others():
@@ -120,6 +126,32 @@ def test_bf16_gate_gradient_is_as_accurate_as_the_others():
     _, grads = forward_and_grads(fn, q, k, v, g, beta, h0, cot_o.astype(jnp.bfloat16), cot_s)
     err = {n: rel_rms(np.asarray(a, np.float32), b) for n, a, b in zip(GRAD_NAMES, grads, ref)}
     assert err["g"] < 3e-3 and err["g"] < 1.25 * min(err["q"], err["k"]), (chunk, err)
+
+
+@pytest.mark.parametrize("n_spans, save_states", [(4, True), (2, False)])
+def test_spans_match_naive(n_spans, save_states):
+  """The recurrences cut into spans (spans.py: each span's transition, the chain through
+  them, every span from the state entering it), chunks of 16, K = 32 != V = 16: packed rows
+  (row 1's boundary on a span edge), an initial state, T = 100 padded to whole spans;
+  outputs, final state and every gradient vs naive, fp32. With the chunk states recomputed
+  the backward builds the transitions anew."""
+  q, k, v, g, beta, h0 = make_inputs(8, 2, 100, 2, 32, 16)
+  seg = packed_segment_ids()
+  cot = cotangents(9, v.shape, h0.shape)
+  out_ref, grads_ref = forward_and_grads(functools.partial(kda_naive, segment_ids=seg),
+                                         q, k, v, g, beta, h0, *cot)
+  fn = functools.partial(interpret, chunk_size=16, segment_ids=seg, spans=n_spans,
+                         save_states=save_states)
+  out, grads = forward_and_grads(fn, q, k, v, g, beta, h0, *cot)
+  check(out, grads, out_ref, grads_ref, RTOL_FP32, 2)
+
+
+def test_spans_bf16():
+  """bf16 inputs in 4 spans of chunks of 16, K = V = 64 in V blocks of 32 and transition
+  rows in blocks of 32 (two blocks of P's rows, two of R's): within fla's bf16 tolerances
+  of the fp32 recurrence on the same values, as one span is."""
+  bf16_against_naive(1, 150, 2, 64, 64, chunk_size=16, block_v=32, spans=4,
+                     transition_block=32)
 
 
 def test_kernel_packed_documents():
@@ -225,21 +257,38 @@ def test_kernel_rejects_bad_tiles():
 def test_recurrence_blocks_by_programs():
   """The recurrences' V blocks: the widest of 64 / 32 / 16 that gives 256 programs, and on
   GPU the forward saving states at blocks of 32 on 2 warps where those give 256 programs
-  (H200: faster at (8, 4096, 16) and (2, 8192, 96), not at (1, 32768, 16))."""
+  (H200: faster at (8, 4096, 16) and (2, 8192, 96)). Long sequences of few rows and heads
+  run in spans (fastest on the H200: 8 at (1, 32768, 16), 4 at (2, 16384, 16); one at
+  (2, 4096, 16) and (4, 8192, 16)), whose programs then count."""
   from pallas_kernels.kda.pallas import kernel_inputs  # noqa: PLC0415
 
-  def blocks_of(B, H, platform):
-    x = jnp.zeros((B, 16, H, 128), jnp.bfloat16)
-    cfg, _ = kernel_inputs(x, x, x, x, x[..., 0], scale=None, initial_state=None,
-                           segment_ids=None, chunk_size=16, sub_chunk_size=16,
-                           interpret=False, platform=platform, block_v=None,
-                           save_states=True)
-    return cfg.block_v, cfg.states_block_v, cfg.states_warps
+  def blocks_of(B, T, H, platform, **tuning):
+    found = []
 
-  assert blocks_of(8, 16, "gpu") == (64, 32, 2)
-  assert blocks_of(2, 96, "gpu") == (64, 32, 2)
-  assert blocks_of(1, 16, "gpu") == (16, 0, 0)   # long sequences: 128 programs at most
-  assert blocks_of(8, 16, "tpu") == (64, 0, 0)
+    def inputs(x):  # traced abstractly: no arrays of the full shape are made
+      cfg, args = kernel_inputs(x, x, x, x, x[..., 0], scale=None, initial_state=None,
+                                segment_ids=None, chunk_size=16, sub_chunk_size=16,
+                                interpret=False, platform=platform, block_v=None,
+                                save_states=True, **tuning)
+      found.append(cfg)
+      return args
+
+    jax.eval_shape(inputs, jax.ShapeDtypeStruct((B, T, H, 128), jnp.bfloat16))
+    return found[0].spans, found[0].block_v, found[0].states_block_v, found[0].states_warps
+
+  assert blocks_of(8, 4096, 16, "gpu") == (1, 64, 32, 2)
+  assert blocks_of(2, 8192, 96, "gpu") == (1, 64, 32, 2)
+  assert blocks_of(4, 8192, 16, "gpu") == (1, 32, 32, 2)
+  assert blocks_of(2, 4096, 16, "gpu") == (1, 16, 0, 0)
+  assert blocks_of(2, 16384, 16, "gpu") == (4, 64, 32, 2)
+  assert blocks_of(1, 32768, 16, "gpu") == (8, 64, 32, 2)
+  assert blocks_of(1, 32768, 16, "gpu", spans=1) == (1, 16, 0, 0)
+  assert blocks_of(8, 4096, 16, "tpu") == (1, 64, 0, 0)
+  assert blocks_of(1, 32768, 16, "tpu") == (1, 16, 0, 0)
+  with pytest.raises(ValueError, match="spans=2 must be a power of two .1 on TPU"):
+    blocks_of(1, 256, 16, "tpu", spans=2)
+  with pytest.raises(ValueError, match="spans=3 must be a power of two"):
+    blocks_of(1, 256, 16, "gpu", spans=3)
 
 
 def test_lowers_for_cuda():
@@ -250,10 +299,11 @@ def test_lowers_for_cuda():
   args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H),
           sd(B, H, D, D, dt=jnp.float32), sd(B, T, dt=jnp.int32))
 
-  def lowered(save_states):
+  def lowered(save_states, n_spans=1):
     def loss(q, k, v, g, beta, h0, seg):
       o, s = kda_pallas(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                        output_final_state=True, platform="gpu", save_states=save_states)
+                        output_final_state=True, platform="gpu", save_states=save_states,
+                        spans=n_spans)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
@@ -263,6 +313,9 @@ def test_lowers_for_cuda():
   # rec_fwd
   assert lowered(True).count("__gpu$xla.gpu.triton") == 5
   assert lowered(False).count("__gpu$xla.gpu.triton") == 7
+  # in spans the forward adds the transitions and the chain, the backward the spans' own
+  # cotangents and the chain back
+  assert lowered(True, n_spans=2).count("__gpu$xla.gpu.triton") == 9
 
 
 def _kernel_precisions(**kw):

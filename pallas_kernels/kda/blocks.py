@@ -23,6 +23,14 @@ class Config:
   interpret: bool
   platform: str  # "gpu", "tpu" or "cpu" (interpret)
   save_states: bool = True  # False: the backward reruns rec_fwd for the chunk states
+  # The sequence's recurrences in this many spans run in parallel, joined through each
+  # span's transition (`spans.py`; GPU and interpret mode, a power of two dividing the
+  # chunks).
+  spans: int = 1
+  # Rows of a span's [K + V, K] transition per program (`spans.transitions`). H200,
+  # (1, 32768, 16, 128) in 8 spans (results/kda.md, session 12): 0.49 ms at 128, 0.65 at 64,
+  # 0.72 at 32, 1.22 at 16
+  transition_block: int = 128
   prep_warps: int = 4  # measured on the H200: 4 warps twice as fast as 8
   # GPU fp32 matmuls of prep ("tf32x3", "tf32" or "ieee"). H200 (8, 4096, 16, 128), chunk 16,
   # fp32 gate: prep 0.80 ms at tf32, 1.24 at tf32x3; errors against the fp32 reference equal

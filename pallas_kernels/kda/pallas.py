@@ -17,7 +17,9 @@ rec_bwd; their settings and blocks: `blocks.py`), one `jax.custom_vjp` (here):
              vjp derived by hand (`tile.chunk_prep_vjp`): dq, dk, dv, dg, dbeta.
 The forward's prep outputs (w, u, A_qk, q_s, k_s, decay) and chunk states are the residuals
 (`save_states=False`: recomputed in the backward instead). Columns of V are independent in
-the delta rule, so V blocks parallelize the recurrences at no extra work.
+the delta rule, so V blocks parallelize the recurrences at no extra work. Long sequences of
+few rows and heads also cut the sequence into spans whose recurrences run at once, joined
+through each span's affine transition (`spans.py`, `Config.spans`; GPU).
 
 GPU backend: Pallas Triton. Mosaic GPU (wgmma, TMA) is the faster road on the H200, but it
 wants warpgroup-shaped tiles staged explicitly through shared memory, and the tile maths
@@ -34,10 +36,11 @@ Layout: per-token arrays stay [B, T, H, D] on GPU and in interpret mode (a block
 head's rows, strided); on TPU the wrapper moves them to [B, H, T, D] (`heads_major`). T is
 padded to a multiple of the chunk and D to a power of two >= 16 (a copy only when needed).
 
-Speed (H200, 2026-12-01, benchmarks/results/kda.md, session 11): chunks of 16 (one diagonal
-tile) are fastest on the GPU; at (8, 4096, 16, 128) forward 1.32 ms (fla 1.54), forward +
+Speed (H200, benchmarks/results/kda.md, sessions 11-12): chunks of 16 (one diagonal tile)
+are fastest on the GPU; at (8, 4096, 16, 128) forward 1.32 ms (fla 1.54), forward +
 backward 7.18 ms (fla 7.33), of which chunk_bwd 3.6 ms (bound by its chain of small
-dependent tile products, not by bandwidth or FLOPs).
+dependent tile products, not by bandwidth or FLOPs); at (1, 32768, 16, 128) in 8 spans
+2.13 / 8.57 ms (one span: 3.26 / 10.49).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import blocks, chunk_kernels, recurrence
+from pallas_kernels.kda import blocks, chunk_kernels, spans
 from pallas_kernels.kda.blocks import F32
 from pallas_kernels.kda.chunk import check_sub_chunk
 from pallas_kernels.platform import target_platform
@@ -64,6 +67,14 @@ BLOCKS_V = (64, 32, 16)
 # give MIN_PROGRAMS programs (blocks.Config.states_block_v); at (1, 32768, 16, 128) 2 warps
 # were slower.
 STATES_BLOCK_V, STATES_WARPS = 32, 2
+# spans=None (GPU): where V blocks of 16 give at most MIN_PROGRAMS programs, the sequence is
+# cut into spans (`spans.py`), doubling them while blocks of SPAN_BLOCK_V stay within
+# SPAN_PROGRAMS programs and every span keeps MIN_SPAN_CHUNKS chunks. H200, chunk 16,
+# forward / forward+backward in ms (results/kda.md, session 12): (1, 32768, 16, 128) 3.26 /
+# 10.49 at 1 span, 2.34 / 9.16 at 4, 2.13 / 8.57 at 8, 2.20 / 8.69 at 16; (2, 16384, 16,
+# 128) 2.15 / 8.63 at 1, 2.04 / 8.38 at 4; (2, 4096, 16, 128) 0.57 / 2.25 at 1, 0.61 /
+# 2.29 at 4; (4, 8192, 16, 128) 1.57 / 7.73 at 1, 2.01 / 8.32 at 2.
+SPAN_BLOCK_V, SPAN_PROGRAMS, MIN_SPAN_CHUNKS = 64, 256, 256
 # The GPU kernels' chunk lengths (H200, results/kda.md, session 7): chunk_bwd holds a chunk's
 # prep and its vjp at once; at C = 32 it runs 5x slower than at 16 (register spills), at 64
 # Triton asks for 320 KiB of shared memory, over the H200's 227 KiB.
@@ -76,27 +87,41 @@ def default_chunk(platform: str) -> int:
   return GPU_CHUNK if platform == "gpu" else 64
 
 
+def default_spans(platform, interpret, B, H, V, n_chunks):
+  """How many spans the recurrences run in (`spans.py`) when none is named: on GPU where V
+  blocks of 16 give at most MIN_PROGRAMS programs, the most (a power of two) with at most
+  SPAN_PROGRAMS programs at blocks of SPAN_BLOCK_V and MIN_SPAN_CHUNKS chunks a span; else
+  1."""
+  if platform != "gpu" or interpret or B * H * max(1, V // 16) > MIN_PROGRAMS:
+    return 1
+  n = 1
+  while (B * H * max(1, V // SPAN_BLOCK_V) * 2 * n <= SPAN_PROGRAMS
+         and n_chunks >= 2 * n * MIN_SPAN_CHUNKS):
+    n *= 2
+  return n
+
+
 # ------------------------------------------------------------------------------ custom_vjp
 
 
 def _forward(cfg, q, k, v, g, beta, st0, masks, save_states):
-  """prep and the recurrence: o, the final state, prep's outputs and the chunk states (None
-  unless saved)."""
+  """prep and the recurrence: o, the final state, prep's outputs, the chunk states (None
+  unless saved) and the spans' transitions (None with one span)."""
   prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
-  o, st, *states = recurrence.rec_fwd(cfg, *prep, st0, q.dtype, save_states)
-  return o, st, prep, (states[0] if save_states else None)
+  o, st, states, trans = spans.forward(cfg, *prep, st0, q.dtype, save_states)
+  return o, st, prep, states, trans
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda_core(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
-  o, st, _, _ = _forward(cfg, q, k, v, g, beta, st0, (doc_c, doc_r, sees, last), False)
+  o, st, *_ = _forward(cfg, q, k, v, g, beta, st0, (doc_c, doc_r, sees, last), False)
   return o, st
 
 
 def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
-  o, st, prep, states = _forward(cfg, q, k, v, g, beta, st0, (doc_c, doc_r, sees, last),
-                                 cfg.save_states)
-  saved = (*prep, states) if cfg.save_states else None
+  o, st, prep, states, trans = _forward(cfg, q, k, v, g, beta, st0,
+                                        (doc_c, doc_r, sees, last), cfg.save_states)
+  saved = (*prep, states, trans) if cfg.save_states else None
   return (o, st), (q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved)
 
 
@@ -104,11 +129,11 @@ def _core_bwd(cfg, res, cots):
   q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved = res
   do, dst = cots
   masks = (doc_c, doc_r, sees, last)
-  if saved is None:  # recompute prep's outputs and the chunk states
+  if saved is None:  # recompute prep's outputs, the chunk states and the transitions
     prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
-    saved = (*prep, recurrence.rec_fwd(cfg, *prep, st0, q.dtype, True)[2])
-  w, u, a, qs, ks, dec, states = saved
-  dvn, dstates, dst0 = recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do, dst)
+    saved = (*prep, *spans.forward(cfg, *prep, st0, q.dtype, True)[2:])
+  w, u, a, qs, ks, dec, states, trans = saved
+  dvn, dstates, dst0 = spans.backward(cfg, w, a, qs, ks, dec, do, dst, trans)
   dw, da, dqs, dks, ddec = chunk_kernels.chunk_cots(cfg, w, u, states, dstates, do, dvn)
   dq, dk, dv, dg, dbeta = chunk_kernels.chunk_bwd(cfg, q, k, v, g, beta, *masks, dw, dvn, da,
                                                   dqs, dks, ddec)
@@ -140,12 +165,14 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
     interpret: run the kernels in Pallas interpret mode (any device, CPU included).
     platform: "gpu" or "tpu"; None: the default backend's.
     block_v: V columns per program of the recurrence (GPU, interpret); None: the widest of
-      BLOCKS_V with B * H * V / block_v >= MIN_PROGRAMS, else the narrowest (long sequences
-      of few rows and heads); on GPU rec_fwd saving states then takes STATES_BLOCK_V.
+      BLOCKS_V with B * H * spans * V / block_v >= MIN_PROGRAMS, else the narrowest; on GPU
+      rec_fwd saving states then takes STATES_BLOCK_V.
     save_states: keep prep's outputs and the state entering each chunk for the backward
       (else recompute them there).
-    tuning: further `Config` fields (prep_warps, prep_precision, rec_stages, rec_warps,
-      states_block_v, states_warps, cots_warps, bwd_warps, bwd_precision).
+    tuning: further `Config` fields (spans, prep_warps, prep_precision, rec_stages,
+      rec_warps, states_block_v, states_warps, cots_warps, bwd_warps, bwd_precision).
+      spans None or absent: `default_spans` (GPU: several for long sequences of few rows
+      and heads, else 1).
 
   Returns:
     o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
@@ -187,17 +214,23 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
                      "a power of two")
   check_sub_chunk(L)
   Kp, Vp = (max(16, pl.next_power_of_2(d)) for d in (K, V))
+  n_spans = tuning.pop("spans", None)
+  if n_spans is None:
+    n_spans = default_spans(platform, interpret, B, H, Vp, -(-T // C))
+  if n_spans < 1 or n_spans & (n_spans - 1) or (platform == "tpu" and n_spans != 1):
+    raise ValueError(f"spans={n_spans} must be a power of two (1 on TPU, whose recurrences "
+                     "walk the chunks on a sequential grid axis)")
+  programs = lambda bv: B * H * n_spans * max(1, Vp // bv)
   if block_v is None:
-    block_v = next((bv for bv in BLOCKS_V if B * H * max(1, Vp // bv) >= MIN_PROGRAMS),
-                   BLOCKS_V[-1])
+    block_v = next((bv for bv in BLOCKS_V if programs(bv) >= MIN_PROGRAMS), BLOCKS_V[-1])
     if (platform == "gpu" and "states_block_v" not in tuning and Vp % STATES_BLOCK_V == 0
-        and B * H * (Vp // STATES_BLOCK_V) >= MIN_PROGRAMS):
+        and programs(STATES_BLOCK_V) >= MIN_PROGRAMS):
       tuning.update(states_block_v=STATES_BLOCK_V, states_warps=STATES_WARPS)
   cfg = blocks.Config(scale=float(K ** -0.5 if scale is None else scale), chunk=C, sub=L,
                block_v=block_v, mm_dtype=jnp.dtype(q.dtype).name if q.dtype == jnp.bfloat16
                else "float32", interpret=interpret, platform=platform,
-               save_states=save_states, **tuning)
-  pad_t = -T % C
+               save_states=save_states, spans=n_spans, **tuning)
+  pad_t = -T % (C * n_spans)  # every span a whole number of chunks
   Tp, N = T + pad_t, (T + pad_t) // C
   bv = min(block_v, Vp)
   if Vp % bv:

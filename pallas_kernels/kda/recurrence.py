@@ -1,6 +1,8 @@
 """The inter-chunk state recurrence of KDA as Pallas kernels: `rec_fwd` and `rec_bwd`, one
-program per (batch row, head, V block) looping over the chunks (GPU, interpret mode) or the
-chunks on a sequential grid axis (TPU). Overview: `pallas.py`."""
+program per (batch row, head, span and V block) looping over the span's chunks (GPU, interpret
+mode) or the chunks on a sequential grid axis (TPU, one span). A span is a stretch of
+`cfg.spans`-th of the sequence whose recurrence starts from a given state (`spans.py` joins
+them); with one span a program runs the whole sequence. Overview: `pallas.py`."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
 
 def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
                     *states_ref, cfg, n_chunks):
-  """GPU / interpret form: one program per (b, h, V block) loops over the chunks."""
+  """GPU / interpret form: one program per (b, h, span and V block) loops over the span's
+  chunks."""
   C = cfg.chunk
 
   def body(n, st):  # st: [BV, K] fp32, the state (transposed) entering chunk n
@@ -72,6 +75,23 @@ def _sizes(cfg, w, V, dec, states=False):
   return B, H, Tp, K, dec.shape[2], BV
 
 
+def _span_specs(cfg, Tp, N, K, V, BV):
+  """Grid (B, H, S x V blocks) of one span and V block per program, and the BlockSpecs:
+  (per-token rows of d columns, the same rows of the program's V block, the span's decay
+  rows, the span's chunk states [.., N / S, BV, K], a state per span [B, H, S, V, K]). With
+  one span the grid and block indices are (b, h, V block), as the kernels had before spans:
+  the same Triton program (a folded span index cost 0.5% at (2, 8192, 96, 128))."""
+  S, nv = cfg.spans, V // BV
+  at = (lambda j: (j // nv, j % nv)) if S > 1 else (lambda j: (0, j))  # (span, V block)
+  tok = lambda d: blocks.tokens(cfg, Tp // S, d, lambda b, h, j: (b, h, at(j)[0], 0))
+  vblk = blocks.tokens(cfg, Tp // S, BV, lambda b, h, j: (b, h, *at(j)))
+  dec = pl.BlockSpec((None, None, N // S, 1, K), lambda b, h, j: (b, h, at(j)[0], 0, 0))
+  chunk_states = pl.BlockSpec((None, None, N // S, BV, K),
+                              lambda b, h, j: (b, h, *at(j), 0))
+  state = pl.BlockSpec((None, None, None, BV, K), lambda b, h, j: (b, h, *at(j), 0))
+  return S * nv, (tok, vblk, dec, chunk_states, state)
+
+
 def _tpu_params():
   from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
   return pltpu, pltpu.CompilerParams(
@@ -79,21 +99,21 @@ def _tpu_params():
 
 
 def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
-  """prep's outputs (w, u, A_qk, q_s, k_s, dec) and the initial state st0 [B, H, V, K]
-  (transposed) fp32. Returns o [B, H, Tp, V] in out_dtype (the kernels' layout), the final
-  state [B, H, V, K] fp32 and, if save_states, the state entering each chunk
-  [B, H, N, V, K] in the operand dtype."""
-  V, C = u.shape[-1], cfg.chunk
+  """prep's outputs (w, u, A_qk, q_s, k_s, dec) and the state entering each span st0
+  [B, H, S, V, K] (transposed) fp32. Returns o [B, H, Tp, V] in out_dtype (the kernels'
+  layout), the state leaving each span [B, H, S, V, K] fp32 and, if save_states, the state
+  entering each chunk [B, H, N, V, K] in the operand dtype."""
+  V, C, S = u.shape[-1], cfg.chunk, cfg.spans
   B, H, Tp, K, N, BV = _sizes(cfg, w, V, dec, save_states)
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, V), out_dtype),
-               jax.ShapeDtypeStruct((B, H, V, K), F32)]
+               jax.ShapeDtypeStruct((B, H, S, V, K), F32)]
   if save_states:
     out_shape.append(jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm))
   args = (w, u, a, qs, ks, dec, st0)
   if cfg.platform == "tpu":
     tok = lambda d: blocks.tokens(cfg, C, d, lambda b, h, i, n: (b, h, n, 0))
     vblk = blocks.tokens(cfg, C, BV, lambda b, h, i, n: (b, h, n, i))
-    state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
+    state = pl.BlockSpec((None, None, None, BV, K), lambda b, h, i, n: (b, h, 0, i, 0))
     out_specs = [vblk, state]
     if save_states:
       out_specs.append(pl.BlockSpec((None, None, None, BV, K),
@@ -107,16 +127,11 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
                   state],
         out_specs=out_specs, out_shape=out_shape, compiler_params=params,
         scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
-  full = lambda d: blocks.tokens(cfg, Tp, d, lambda b, h, i: (b, h, 0, 0))
-  vblk = blocks.tokens(cfg, Tp, BV, lambda b, h, i: (b, h, 0, i))
-  state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
-  out_specs = [vblk, state]
-  if save_states:
-    out_specs.append(pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)))
+  programs, (tok, vblk, dec_spec, chunk_states, state) = _span_specs(cfg, Tp, N, K, V, BV)
+  out_specs = [vblk, state] + ([chunk_states] if save_states else [])
   return blocks.call(
-      cfg, functools.partial(_rec_fwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
-      in_specs=[full(K), vblk, full(C), full(K), full(K),
-                pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)), state],
+      cfg, functools.partial(_rec_fwd_kernel, cfg=cfg, n_chunks=N // S),
+      grid=(B, H, programs), in_specs=[tok(K), vblk, tok(C), tok(K), tok(K), dec_spec, state],
       out_specs=out_specs, out_shape=out_shape, num_stages=cfg.rec_stages,
       num_warps=(cfg.states_warps or cfg.rec_warps) if save_states else cfg.rec_warps)(*args)
 
@@ -130,18 +145,23 @@ def _rec_bwd_step(cfg, w, a, qs, ks, dec, do, dst):
   return dvn, dst
 
 
-def _rec_bwd_kernel(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, dvn_ref, dsts_ref,
-                    dst0_ref, *, cfg, n_chunks):
-  """GPU / interpret form: one program per (b, h, V block), chunks in reverse."""
+def _rec_bwd_kernel(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, *out_refs, cfg,
+                    n_chunks):
+  """GPU / interpret form: one program per (b, h, span and V block), chunks in reverse. out_refs:
+  (dvn, the chunk states' cotangents, dst0), or dst0 alone (`rec_bwd(..., transition=True)`:
+  the span's own contribution to the cotangent entering it)."""
   C = cfg.chunk
+  *cots_refs, dst0_ref = out_refs
 
   def body(i, dst):  # dst: [BV, K] fp32, cotangent of the state leaving chunk n
     n = n_chunks - 1 - i
     rows = pl.ds(pl.multiple_of(n * C, C), C)
-    dsts_ref[n] = dst.astype(dsts_ref.dtype)
+    if cots_refs:
+      cots_refs[1][n] = dst.astype(cots_refs[1].dtype)
     dvn, dst = _rec_bwd_step(cfg, w_ref[rows, :], a_ref[rows, :], qs_ref[rows, :],
                              ks_ref[rows, :], dec_ref[n], do_ref[rows, :], dst)
-    dvn_ref[rows, :] = dvn
+    if cots_refs:
+      cots_refs[0][rows, :] = dvn
     return dst
 
   dst0_ref[...] = lax.fori_loop(0, n_chunks, body, dst_ref[...].astype(F32))
@@ -168,22 +188,23 @@ def _rec_bwd_kernel_tpu(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, 
     dst0_ref[...] = dst
 
 
-def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
-  """The recurrence backwards, sequential part: the cotangents of v_new [B, H, Tp, V] fp32
+def rec_bwd(cfg, w, a, qs, ks, dec, do, dst, transition=False):
+  """The recurrence backwards, sequential part: from do [B, H, Tp, V] and the cotangent of
+  the state leaving each span dst [B, H, S, V, K], the cotangents of v_new [B, H, Tp, V] fp32
   (the kernels' layout), of the state leaving each chunk [B, H, N, V, K] (transposed, in the
-  operand dtype) and of the initial state [B, H, V, K] fp32, from do [B, H, Tp, V] and the
-  final state's dst."""
-  V, C = do.shape[-1], cfg.chunk
+  operand dtype) and of the state entering each span [B, H, S, V, K] fp32. transition: the
+  last alone (GPU, interpret)."""
+  V, C, S = do.shape[-1], cfg.chunk, cfg.spans
   B, H, Tp, K, N, BV = _sizes(cfg, w, V, dec)
+  span_state = jax.ShapeDtypeStruct((B, H, S, V, K), F32)
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, V), F32),
-               jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm),
-               jax.ShapeDtypeStruct((B, H, V, K), F32)]
+               jax.ShapeDtypeStruct((B, H, N, V, K), cfg.mm), span_state]
   args = (w, a, qs, ks, dec, do, dst)
   if cfg.platform == "tpu":
     r = lambda n: N - 1 - n  # chunks in reverse
     tok = lambda d: blocks.tokens(cfg, C, d, lambda b, h, i, n: (b, h, r(n), 0))
     vblk = blocks.tokens(cfg, C, BV, lambda b, h, i, n: (b, h, r(n), i))
-    state = pl.BlockSpec((None, None, BV, K), lambda b, h, i, n: (b, h, i, 0))
+    state = pl.BlockSpec((None, None, None, BV, K), lambda b, h, i, n: (b, h, 0, i, 0))
     pltpu, params = _tpu_params()
     return pl.pallas_call(
         functools.partial(_rec_bwd_kernel_tpu, cfg=cfg, n_chunks=N),
@@ -195,15 +216,14 @@ def rec_bwd(cfg, w, a, qs, ks, dec, do, dst):
                                       lambda b, h, i, n: (b, h, r(n), i, 0)), state],
         out_shape=out_shape, compiler_params=params,
         scratch_shapes=[pltpu.VMEM((BV, K), F32)], interpret=cfg.interpret)(*args)
-  full = lambda d: blocks.tokens(cfg, Tp, d, lambda b, h, i: (b, h, 0, 0))
-  vblk = blocks.tokens(cfg, Tp, BV, lambda b, h, i: (b, h, 0, i))
-  state = pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))
-  return blocks.call(
-      cfg, functools.partial(_rec_bwd_kernel, cfg=cfg, n_chunks=N), grid=(B, H, V // BV),
-      in_specs=[full(K), full(C), full(K), full(K),
-                pl.BlockSpec((None, None, N, 1, K), lambda b, h, i: (b, h, 0, 0, 0)),
-                vblk, state],
-      out_specs=[vblk, pl.BlockSpec((None, None, N, BV, K), lambda b, h, i: (b, h, 0, i, 0)),
-                 state],
-      out_shape=out_shape, num_warps=cfg.rec_warps, num_stages=cfg.rec_stages,
-  )(*args)
+  programs, (tok, vblk, dec_spec, chunk_states, state) = _span_specs(cfg, Tp, N, K, V, BV)
+  out_specs = [vblk, chunk_states, state]
+  if transition:
+    out_specs, out_shape = out_specs[-1:], out_shape[-1:]
+  outs = blocks.call(
+      cfg, functools.partial(_rec_bwd_kernel, cfg=cfg, n_chunks=N // S),
+      grid=(B, H, programs),
+      in_specs=[tok(K), tok(C), tok(K), tok(K), dec_spec, vblk, state],
+      out_specs=out_specs, out_shape=out_shape, num_warps=cfg.rec_warps,
+      num_stages=cfg.rec_stages)(*args)
+  return outs[0] if transition else outs

@@ -1,0 +1,146 @@
+"""The recurrences over spans: a long sequence cut into `cfg.spans` stretches of chunks whose
+recurrences run in parallel (GPU, interpret mode), joined through each span's transition.
+
+With few batch rows and heads, one program per (row, head, V block) leaves most of the GPU
+idle while it walks thousands of dependent chunk steps (H200, (1, 32768, 16, 128): 128
+programs, 2,048 steps of 1.2 us). The chunk step is affine in the state (transposed,
+st [V, K]): st' = st * dec + (u - w st^T)^T k_s, so a span maps the state entering it to
+the state leaving it as st_out = st_in P^T + R^T. Three passes replace the one:
+  transitions  every span at once: its [K + V, K] transition (P^T; R^T), the chunk step
+               run from st = I with u = 0 (P^T's rows) and from st = 0 (R^T's rows).
+  chain        the spans in order, [BV, K] x [K, K] a step: the state entering each span.
+  rec_fwd      every span at once from its entering state: o and the chunk states.
+The backward is the same in reverse: each span's own part of the cotangent entering it
+(rec_bwd from zero, `transition=True`), the chain through P (the transpose of the forward's
+linear part), then rec_bwd from the cotangent leaving each span. The forward's transitions
+are a residual (S [K + V, K] fp32 per row and head).
+
+Exact in exact arithmetic; in floating point P and R take the same bf16 products as the
+state does (the carry st * dec stays fp32), the chain runs in fp32 at `cfg.precision`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda import blocks, recurrence, tile
+from pallas_kernels.kda.blocks import F32
+
+# V columns per program of the chain: its [BV, K] x [K, K] fp32 products at BV = 16 took
+# 0.05 ms over 8 spans at (1, 32768, 16, 128) on the H200, at 64 0.14 ms (results/kda.md,
+# session 12).
+CHAIN_BLOCK = 16
+
+
+def forward(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
+  """The recurrence from prep's outputs and the initial state st0 [B, H, V, K] (transposed)
+  fp32: o in out_dtype, the final state [B, H, V, K] fp32, the state entering each chunk
+  (if save_states, else None) and the spans' transitions for `backward` (None with one
+  span)."""
+  if cfg.spans == 1:
+    o, st, *states = recurrence.rec_fwd(cfg, w, u, a, qs, ks, dec, st0[:, :, None],
+                                        out_dtype, save_states)
+    return o, st[:, :, 0], (states[0] if save_states else None), None
+  t = transitions(cfg, w, u, ks, dec)
+  entering, st = chain(cfg, t, t, st0, reverse=False)
+  o, _, *states = recurrence.rec_fwd(cfg, w, u, a, qs, ks, dec, entering, out_dtype,
+                                     save_states)
+  return o, st, (states[0] if save_states else None), t
+
+
+def backward(cfg, w, a, qs, ks, dec, do, dst, t):
+  """The recurrence backwards from do and the final state's cotangent dst [B, H, V, K]
+  (transposed) fp32, with `forward`'s transitions t: the cotangents of v_new, of the state
+  leaving each chunk and of the initial state (as `recurrence.rec_bwd`)."""
+  if cfg.spans == 1:
+    dvn, dstates, dst0 = recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do, dst[:, :, None])
+    return dvn, dstates, dst0[:, :, 0]
+  own = recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do, jnp.zeros(
+      (*dst.shape[:2], cfg.spans, *dst.shape[2:]), F32), transition=True)
+  leaving, dst0 = chain(cfg, t, own, dst, reverse=True)
+  dvn, dstates, _ = recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do, leaving)
+  return dvn, dstates, dst0
+
+
+def _transition_kernel(w_ref, u_ref, ks_ref, dec_ref, t_ref, *, cfg, n_chunks, p_blocks):
+  """One program per (b, h, row block of the transition, span): rows of P^T (the chunk step
+  from the identity's rows, u = 0) or of R^T (from zero, with u's V block)."""
+  C, mm, prec = cfg.chunk, cfg.mm, cfg.precision
+  i = pl.program_id(2)
+  BV, K = t_ref.shape
+  is_p = i < p_blocks
+  row = lax.broadcasted_iota(jnp.int32, (BV, K), 0) + i * BV
+  col = lax.broadcasted_iota(jnp.int32, (BV, K), 1)
+  st = ((row == col) & is_p).astype(F32)
+
+  def body(n, st):
+    rows = pl.ds(pl.multiple_of(n * C, C), C)
+    u = jnp.where(is_p, 0.0, u_ref[rows, :].astype(F32))
+    v_new = u - tile.dot(w_ref[rows, :], st, "nt", prec, mm)
+    return st * dec_ref[n] + tile.dot(v_new, ks_ref[rows, :], "tn", prec, mm)
+
+  t_ref[...] = lax.fori_loop(0, n_chunks, body, st)
+
+
+def transitions(cfg, w, u, ks, dec):
+  """[B, H, S, K + V, K] fp32: each span's P^T (rows :K) and R^T (rows K:), where the state
+  leaving span s is st_in P_s^T + R_s^T for the state st_in entering it (transposed)."""
+  V, S = u.shape[-1], cfg.spans
+  B, H, Tp, K = blocks.dims(cfg, w)
+  N = dec.shape[2]
+  BV = min(cfg.transition_block, K, V)
+  p_blocks = K // BV
+  tok = lambda d: blocks.tokens(cfg, Tp // S, d, lambda b, h, i, s: (b, h, s, 0))
+  u_blk = blocks.tokens(cfg, Tp // S, BV,
+                        lambda b, h, i, s: (b, h, s, jnp.maximum(i - p_blocks, 0)))
+  return blocks.call(
+      cfg, functools.partial(_transition_kernel, cfg=cfg, n_chunks=N // S, p_blocks=p_blocks),
+      grid=(B, H, (K + V) // BV, S),
+      in_specs=[tok(K), u_blk, tok(K),
+                pl.BlockSpec((None, None, N // S, 1, K), lambda b, h, i, s: (b, h, s, 0, 0))],
+      out_specs=pl.BlockSpec((None, None, None, BV, K), lambda b, h, i, s: (b, h, s, i, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, H, S, K + V, K), F32),
+      num_warps=cfg.rec_warps, num_stages=cfg.rec_stages)(w, u, ks, dec)
+
+
+def _chain_kernel(p_ref, r_ref, st0_ref, states_ref, st_ref, *, cfg, n_spans, reverse):
+  """One program per (b, h, V block): forward, st <- st P_s^T + R_s^T over the spans,
+  storing the state entering each; reverse, dst <- dst P_s + E_s from the last span,
+  storing the cotangent leaving each."""
+  prec = cfg.precision
+
+  def body(i, st):
+    s = n_spans - 1 - i if reverse else i
+    states_ref[s] = st
+    return tile.dot(st, p_ref[s], "nt" if reverse else "nn", prec) + r_ref[s]
+
+  st_ref[...] = lax.fori_loop(0, n_spans, body, st0_ref[...])
+
+
+def chain(cfg, t, r, st0, *, reverse):
+  """The spans joined in order (reverse: from the last): t [B, H, S, K + V, K] (P^T in
+  rows :K), r the inhomogeneous parts (forward: t itself, R^T in rows K:; reverse: each
+  span's own cotangent [B, H, S, V, K]), st0 [B, H, V, K] the state entering the first span
+  (reverse: the cotangent leaving the last). Returns the state entering each span
+  (reverse: the cotangent leaving each) [B, H, S, V, K] and the final one [B, H, V, K]."""
+  B, H, S, _, K = t.shape
+  V = st0.shape[2]
+  BV = min(CHAIN_BLOCK, V, K)
+  r_offset = 0 if reverse else K // BV
+  span_states = pl.BlockSpec((None, None, S, BV, K), lambda b, h, i: (b, h, 0, i, 0))
+  return blocks.call(
+      cfg, functools.partial(_chain_kernel, cfg=cfg, n_spans=S, reverse=reverse),
+      grid=(B, H, V // BV),
+      in_specs=[pl.BlockSpec((None, None, S, K, K), lambda b, h, i: (b, h, 0, 0, 0)),
+                pl.BlockSpec((None, None, S, BV, K),
+                             lambda b, h, i: (b, h, 0, i + r_offset, 0)),
+                pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))],
+      out_specs=[span_states, pl.BlockSpec((None, None, BV, K), lambda b, h, i: (b, h, i, 0))],
+      out_shape=[jax.ShapeDtypeStruct((B, H, S, V, K), F32),
+                 jax.ShapeDtypeStruct((B, H, V, K), F32)],
+      num_warps=cfg.rec_warps)(t, r, st0)
