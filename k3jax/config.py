@@ -90,6 +90,9 @@ def base_config() -> ml_collections.ConfigDict:
                              # is ~60x below the matmul rate on H200); see
                              # k3jax.model.moe_dispatch.resolve_dispatch
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
+  # The dropless dispatches' grouped matmuls (pallas_kernels.grouped_matmul): "auto" (the
+  # Mosaic GPU kernel on GPU, ragged_dot elsewhere), "reference" (ragged_dot), "kernel"
+  e.gmm_backend = "auto"
   e.balancing = "quantile"   # "quantile" (K3) or "none"
   e.balance_bins = 1_000
   # Cutoff r is measured against: "k_plus_1" (spec: the (k+1)-th value for every expert)
@@ -309,6 +312,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(e.dispatch in DISPATCHES, "model.moe.dispatch",
          f"must be one of {DISPATCHES}, got {e.dispatch!r}")
   _check(e.capacity_factor > 0, "model.moe.capacity_factor", "must be positive")
+  from pallas_kernels.grouped_matmul import BACKENDS as GMM_BACKENDS  # noqa: PLC0415
+  _check(e.gmm_backend in GMM_BACKENDS, "model.moe.gmm_backend",
+         f"must be one of {GMM_BACKENDS}, got {e.gmm_backend!r}")
   _check(e.balance_cutoff in ("k_plus_1", "leave_one_out"), "model.moe.balance_cutoff",
          f"must be 'k_plus_1' or 'leave_one_out', got {e.balance_cutoff!r}")
   r = m.attn_res

@@ -47,6 +47,7 @@ def test_experiments_validate(name):
     ("model.kda.conv_backend", "triton", "model.kda.conv_backend"),
     ("model.remat", "some", "model.remat"),
     ("model.moe.dispatch", "ragged", "model.moe.dispatch"),
+    ("model.moe.gmm_backend", "triton", "model.moe.gmm_backend"),
     ("optimizer.name", "sgd", "unknown optimizer"),
     ("train.microbatches", 3, "train.microbatches"),
     ("train.loss_chunk", 1000, "train.loss_chunk"),

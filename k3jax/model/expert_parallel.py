@@ -174,19 +174,21 @@ def _ragged_exchange(run, rows: jax.Array, group_sizes: jax.Array, axis: str) ->
 
 def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array,
                                  w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act,
-                                 dtype) -> jax.Array:
+                                 dtype, gmm_backend: str = "auto",
+                                 platform: str | None = None) -> jax.Array:
   """The dropless dispatch per device, experts split over the mesh axis of `experts` and
   exchanged with ragged all-to-alls (module docstring; TPU and GPU).
 
   z: [B, T, L]; idx: [B, T, k] int32; weights: [B, T, k] fp32; w_g, w_u: [E, L, H];
-  w_d: [E, H, L]; act: the fp32 GLU activation. Without a mesh, `dropless_moe` on one
-  device. Returns u [B, T, L] fp32, equal to `dropless_moe`'s.
+  w_d: [E, H, L]; act: the fp32 GLU activation; gmm_backend, platform: of the grouped
+  matmuls (`ragged_glu_experts`). Without a mesh, `dropless_moe` on one device. Returns
+  u [B, T, L] fp32, equal to `dropless_moe`'s.
   """
   b, t, k = idx.shape
   num_experts = w_g.shape[0]
   mesh = axes.current_mesh()
   if mesh is None:
-    experts = ragged_glu_experts(w_g, w_u, w_d, act, dtype)
+    experts = ragged_glu_experts(w_g, w_u, w_d, act, dtype, gmm_backend, platform)
     u = dropless_moe(z.reshape(b * t, -1), idx.reshape(b * t, k), weights.reshape(b * t, k),
                      experts, num_experts)
     return u.reshape(b, t, -1)
@@ -195,7 +197,8 @@ def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Arra
   def local(z, idx, weights, w_g, w_u, w_d):
     """One device: its rows [b_loc, T, ...], its experts [E/ep, L/fsdp, H/tensor]."""
     bl = z.shape[0]
-    run = ragged_glu_experts(*_gather_latent(w_g, w_u, w_d, dtype, lat), act, dtype)
+    run = ragged_glu_experts(*_gather_latent(w_g, w_u, w_d, dtype, lat), act, dtype,
+                             gmm_backend, platform)
     experts = ((lambda rows, sizes: _ragged_exchange(run, rows, sizes, ep[0]))
                if ep and mesh.shape[ep[0]] > 1 else run)
     z = z.reshape(bl * t, -1).astype(dtype)

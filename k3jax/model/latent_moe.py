@@ -89,6 +89,7 @@ class LatentMoE(nnx.Module):
     if e.dispatch not in DISPATCHES:
       raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {e.dispatch!r}")
     self.dispatch, self.capacity_factor = e.dispatch, float(e.capacity_factor)
+    self.gmm_backend = e.gmm_backend
     self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
 
     # The router is stored and applied in fp32 whatever the model dtypes.
@@ -131,13 +132,14 @@ class LatentMoE(nnx.Module):
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     dispatch = resolve_dispatch(self.dispatch, platform)
     if dispatch == "dropless":
-      experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype)
+      experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype,
+                                   self.gmm_backend, platform)
       u = dropless_moe(z.reshape(n, -1), idx, w, experts, n_exp)
       dropped = jnp.zeros((), jnp.int32)
     elif dispatch == "expert_parallel_dropless":
       u = expert_parallel_dropless_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k),
                                        self.w_g[...], self.w_u[...], self.w_d[...], act,
-                                       self.dtype)
+                                       self.dtype, self.gmm_backend, platform)
       dropped = jnp.zeros((), jnp.int32)
     else:
       capacity = max(1, math.ceil(self.capacity_factor * t * k / n_exp))  # per row

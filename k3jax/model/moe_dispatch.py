@@ -1,7 +1,8 @@
 """Routed-expert dispatch of Stable LatentMoE (K3_SPEC 4): latent z + routing -> u.
 
   "dropless" (`dropless_moe`): the (token, slot) pairs are sorted by expert and the experts
-      run as grouped matmuls (`jax.lax.ragged_dot`); nothing is dropped.
+      run as grouped matmuls (`pallas_kernels.grouped_matmul`: `jax.lax.ragged_dot`, or
+      Mosaic GPU kernels on GPU, `moe.gmm_backend`); nothing is dropped.
   "capacity" (`capacity_moe`): each expert gets a fixed buffer of `capacity` pairs per
       sequence, buffers [E, rows, C, L], and runs as one batched matmul; pairs beyond a
       buffer are dropped, later positions first.
@@ -25,6 +26,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.shard_types import cotangent_like
 
 DISPATCHES = ("dropless", "capacity", "expert_parallel", "expert_parallel_dropless",
               "auto")  # moe.dispatch; the expert_parallel ones: expert_parallel.py
@@ -76,25 +80,6 @@ def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
-def _varying(x: jax.Array) -> frozenset:
-  """The shard_map mesh axes x varies over (empty outside shard_map)."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: `vma`
-  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
-
-
-def _cotangent_like(ct: jax.Array, x: jax.Array) -> jax.Array:
-  """A custom VJP's cotangent ct given the type of its primal x under shard_map: summed over
-  the axes only ct varies over (x was used there as if broadcast), marked varying where x
-  is. JAX's own autodiff inserts the same psum / pcast."""
-  extra, missing = _varying(ct) - _varying(x), _varying(x) - _varying(ct)
-  if extra:
-    ct = jax.lax.psum(ct, tuple(sorted(extra)))
-  if missing:
-    ct = jax.lax.pcast(ct, tuple(sorted(missing)), to="varying")
-  return ct
-
-
 # Both directions of the capacity dispatch are row gathers: the transpose of "buffer slot s
 # takes token src[s]" is "token t sums the slots of its k pairs", again a gather (of k rows),
 # never a scatter-add. XLA's autodiff of a gather is a scatter-add, several times slower
@@ -119,7 +104,7 @@ def _dispatch_bwd(res, dbuf):
   n, k = slot.shape
   dz = _gather_rows(dbuf, slot.reshape(-1)).reshape(n, k, -1)
   dz = jnp.sum(dz.astype(jnp.float32), axis=1).astype(z_type.dtype)
-  return _cotangent_like(dz, z_type), None, None
+  return cotangent_like(dz, z_type), None, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -149,7 +134,7 @@ def _combine_bwd(res, du):
   dout = (_gather_rows(du, src // k) * w_slot[:, None]).astype(out.dtype)
   pairs = _gather_rows(out, slot.reshape(-1)).reshape(n, k, -1)
   dweights = jnp.einsum("nl,nkl->nk", du, pairs.astype(jnp.float32)).astype(weights.dtype)
-  return _cotangent_like(dout, out), _cotangent_like(dweights, weights), None, None
+  return cotangent_like(dout, out), cotangent_like(dweights, weights), None, None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
@@ -182,17 +167,21 @@ def capacity_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: Buff
   return _combine(out, weights, slot, src), kept.reshape(n, k)
 
 
-def ragged_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act, dtype) -> ExpertsFn:
+def ragged_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act, dtype,
+                       backend: str = "auto", platform: str | None = None) -> ExpertsFn:
   """Grouped GLU experts: rows [M, L] sorted by expert -> [M, L] in `dtype`.
 
-  w_g, w_u: [E, L, H]; w_d: [E, H, L]; act: the fp32 GLU activation (g, v) -> h.
+  w_g, w_u: [E, L, H]; w_d: [E, H, L]; act: the fp32 GLU activation (g, v) -> h. backend,
+  platform: of the grouped matmuls (`pallas_kernels.grouped_matmul`, `moe.gmm_backend`).
   """
+  def gmm(x, w, sizes):
+    return grouped_matmul(x, w.astype(dtype), sizes, backend=backend, platform=platform)
+
   def run(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     rows = rows.astype(dtype)
-    g = jax.lax.ragged_dot(rows, w_g.astype(dtype), group_sizes)  # [M, H]
-    v = jax.lax.ragged_dot(rows, w_u.astype(dtype), group_sizes)  # [M, H]
-    h = act(g, v).astype(dtype)
-    return jax.lax.ragged_dot(h, w_d.astype(dtype), group_sizes)  # [M, L]
+    g = gmm(rows, w_g, group_sizes)  # [M, H]
+    v = gmm(rows, w_u, group_sizes)  # [M, H]
+    return gmm(act(g, v).astype(dtype), w_d, group_sizes)  # [M, L]
   return run
 
 

@@ -1,0 +1,139 @@
+"""Grouped matmul on one GPU: the Mosaic GPU kernel against XLA's `ragged_dot` and against the
+capacity layout's batched einsum (the dense rate of the same rows), at a MoE's shapes.
+
+    python benchmarks/grouped_matmul.py                       # k3_small's experts
+    python benchmarks/grouped_matmul.py --sweep               # tile sizes of the kernel
+    python benchmarks/grouped_matmul.py --rows 65536 --k 1024 --n 768 --groups 64
+
+One product [M, K] x [G, K, N] (rows sorted by group, bf16), forward and forward+backward
+(dlhs and the weight gradient: two more grouped products), on balanced groups (M / G rows
+each, as the capacity layout's buffers at factor 1.0) and on random ones (each row's group
+drawn uniformly). First the kernel's agreement with the reference (relative RMS of out,
+dlhs, drhs), then median times and TFLOP/s (2 M K N a product; fwd+bwd 3x) against
+ANCHORS.md's 669 TFLOP/s batched-einsum ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kda import rel_rms, time_jax
+from pallas_kernels.grouped_matmul import grouped_matmul, kernel
+
+CEILING_TFLOPS = 669.0  # ANCHORS.md: batched einsum [E, C, K] x [E, K, N], fwd+bwd, H200
+
+
+def implementations(G):
+  """name -> f(lhs, rhs, sizes) -> [M, N]."""
+  def capacity(lhs, rhs, sizes):  # balanced groups only: [G, M / G, K] x [G, K, N]
+    del sizes
+    out = jnp.einsum("gck,gkn->gcn", lhs.reshape(G, -1, lhs.shape[1]), rhs)
+    return out.reshape(lhs.shape[0], -1)
+  return {"kernel": lambda a, b, s: grouped_matmul(a, b, s, backend="kernel"),
+          "xla ragged_dot": lambda a, b, s: grouped_matmul(a, b, s, backend="reference"),
+          "capacity einsum": capacity}
+
+
+def fwd_and_bwd(f, dout):
+  def loss(lhs, rhs, sizes):
+    return jnp.sum(f(lhs, rhs, sizes).astype(jnp.float32) * dout)
+  return jax.jit(f), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def problem(seed, M, K, N, G, balanced):
+  rng = np.random.default_rng(seed)
+  if balanced:
+    sizes = np.full(G, M // G)
+  else:
+    sizes = np.bincount(rng.integers(0, G, M), minlength=G)
+  lhs = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.bfloat16)
+  dout = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+  return lhs, rhs, jnp.asarray(sizes, jnp.int32), dout
+
+
+def compare(M, K, N, G, reps):
+  for balanced in (True, False):
+    lhs, rhs, sizes, dout = problem(0, M, K, N, G, balanced)
+    label = "balanced" if balanced else "random"
+    results = {}
+    for name, f in implementations(G).items():
+      if name == "capacity einsum" and not balanced:
+        continue
+      fwd, fb = fwd_and_bwd(f, dout)
+      try:
+        out = fwd(lhs, rhs, sizes)
+        _, grads = fb(lhs, rhs, sizes)
+        results[name] = (out, *grads, time_jax(fwd, (lhs, rhs, sizes), reps),
+                         time_jax(fb, (lhs, rhs, sizes), reps))
+      except Exception as e:  # noqa: BLE001 -- report and go on with the others
+        print(f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    ref = results.get("xla ragged_dot")
+    flop = 2 * M * K * N
+    for name, (out, dlhs, drhs, f_ms, fb_ms) in results.items():
+      agree = ""
+      if ref is not None and name != "xla ragged_dot":
+        agree = " vs ragged_dot: " + ", ".join(
+            f"{n} {rel_rms(a, b):.1e}" for n, a, b in
+            (("out", out, ref[0]), ("dlhs", dlhs, ref[1]), ("drhs", drhs, ref[2])))
+      print(f"| {label} | {name} | {f_ms:.3f} | {fb_ms:.3f} | {flop / f_ms / 1e9:.0f} | "
+            f"{3 * flop / fb_ms / 1e9:.0f} | {3 * flop / fb_ms / 1e9 / CEILING_TFLOPS:.0%} |"
+            f"{agree}", flush=True)
+
+
+def sweep(M, K, N, G, reps):
+  """Times of each product of the kernel over tile sizes (balanced groups)."""
+  lhs, rhs, sizes, dout = problem(0, M, K, N, G, True)
+  dout16 = dout.astype(jnp.bfloat16)
+  products = {
+      "gmm": lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, blocks=b)),
+      "gmm^T": lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, transpose_rhs=True,
+                                                            blocks=b)),
+      "tgmm": lambda b: jax.jit(lambda a, d, s: kernel.tgmm(a, d, s, blocks=b))}
+  args = {"gmm": (lhs, rhs, sizes), "gmm^T": (dout16, rhs, sizes), "tgmm": (lhs, dout16, sizes)}
+  flop = 2 * M * K * N
+  for name, make in products.items():
+    best = None
+    for bm, bn, steps, gbn in itertools.product((64, 128, 192), (64, 128), (2, 4, 6), (1, 4)):
+      blocks = kernel.Blocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
+                             grid_block_n=gbn)
+      try:
+        ms = time_jax(make(blocks), args[name], reps)
+      except Exception as e:  # noqa: BLE001 -- a tile the shapes or shared memory refuse
+        print(f"  {name} {blocks}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        continue
+      print(f"  {name} {dataclasses.astuple(blocks)}: {ms:.3f} ms, "
+            f"{flop / ms / 1e9:.0f} TFLOP/s", flush=True)
+      if best is None or ms < best[0]:
+        best = (ms, blocks)
+    print(f"{name}: best {best}", flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--rows", type=int, default=2 * 4096 * 8, help="M: k3_small's microbatch of "
+                 "2 x 4096 tokens, top-8")
+  p.add_argument("--k", type=int, default=1024, help="K (k3_small: latent 1024)")
+  p.add_argument("--n", type=int, default=768, help="N (k3_small: expert hidden 768)")
+  p.add_argument("--groups", type=int, default=64)
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--sweep", action="store_true")
+  a = p.parse_args()
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; M {a.rows}, K {a.k}, "
+        f"N {a.n}, G {a.groups}, bf16", flush=True)
+  if a.sweep:
+    sweep(a.rows, a.k, a.n, a.groups, a.reps)
+    return
+  print("| groups | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | of 669 |")
+  print("|---|---|---|---|---|---|---|")
+  compare(a.rows, a.k, a.n, a.groups, a.reps)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,77 @@
+"""Grouped matmul, the experts of a dropless MoE: rows sorted by group, each group times its
+own matrix (`reference.gmm`), differentiable in both operands.
+
+`grouped_matmul(lhs, rhs, group_sizes, backend=)` dispatches to:
+  "reference"  plain JAX (`jax.lax.ragged_dot`; on TPU XLA's grouped-matmul kernels);
+  "kernel"     Pallas Mosaic GPU kernels (`kernel.py`: JAX's library kernels; H100 / H200);
+  "auto"       "kernel" on GPU, "reference" elsewhere.
+Its VJP is two more grouped products of the same backend: dlhs = gmm(dout, rhs^T) and
+drhs = tgmm(lhs, dout) (per group lhs^T dout). Imports nothing from `k3jax/`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from pallas_kernels.grouped_matmul import kernel, reference
+from pallas_kernels.platform import target_platform
+from pallas_kernels.shard_types import cotangent_like
+
+__all__ = ["BACKENDS", "grouped_matmul", "resolve_backend"]
+
+BACKENDS = ("reference", "kernel", "auto")
+_PRODUCTS = {"reference": reference, "kernel": kernel}
+
+
+def resolve_backend(backend: str, platform: str) -> str:
+  """The backend "auto" stands for on platform ("gpu", "tpu", "cpu"); others unchanged."""
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown grouped-matmul backend {backend!r}; choose one of {BACKENDS}")
+  if backend != "auto":
+    return backend
+  return "kernel" if platform == "gpu" else "reference"
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   backend: str = "auto", platform: str | None = None) -> jax.Array:
+  """out[i] = lhs[i] @ rhs[g(i)] for rows sorted by group; zero for rows past the groups.
+
+  lhs [M, K]; rhs [G, K, N]; group_sizes [G] int (rows per group, in order, summing to at
+  most M). platform: what the program is compiled for (None: the default backend's).
+  Returns [M, N] in lhs.dtype, accumulated in fp32.
+  """
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(f"grouped_matmul takes lhs [M, K] and rhs [G, K, N], got {lhs.shape} "
+                     f"and {rhs.shape}")
+  if group_sizes.shape != rhs.shape[:1]:
+    raise ValueError(f"group_sizes {group_sizes.shape} must be [G] for rhs {rhs.shape}")
+  backend = resolve_backend(backend, target_platform(None, platform))
+  if backend == "kernel":
+    kernel.check(lhs, rhs)
+  return _gmm(backend, lhs, rhs, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gmm(backend, lhs, rhs, group_sizes):
+  return _PRODUCTS[backend].gmm(lhs, rhs, group_sizes)
+
+
+def _gmm_fwd(backend, lhs, rhs, group_sizes):
+  return _gmm(backend, lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(backend, res, dout):
+  lhs, rhs, group_sizes = res
+  products = _PRODUCTS[backend]
+  dout = dout.astype(lhs.dtype)
+  dlhs = products.gmm(dout, rhs, group_sizes, transpose_rhs=True)
+  drhs = products.tgmm(lhs, dout, group_sizes).astype(rhs.dtype)
+  # under shard_map: summed over the axes the rows vary over and the weights do not
+  return (cotangent_like(dlhs, lhs), cotangent_like(drhs, rhs),
+          np.zeros(group_sizes.shape, jax.dtypes.float0))
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)

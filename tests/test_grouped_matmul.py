@@ -1,0 +1,91 @@
+"""Grouped matmul (pallas_kernels/grouped_matmul): the reference is a matmul per group (empty
+groups, rows past the groups); its custom VJP equals autodiff of `jax.lax.ragged_dot`; the
+dispatcher's backends and the errors the kernel path names; the Mosaic GPU forward lowers
+for CUDA from this CPU (no GPU needed; its weight gradient traces on a GPU host only)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.grouped_matmul import grouped_matmul, kernel, reference, resolve_backend
+
+SIZES = [5, 0, 9, 4]  # an empty group; 2 of M = 20 rows past the groups
+
+
+def operands(seed, M=20, K=8, N=6, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  lhs = rng.standard_normal((M, K)).astype(np.float32)
+  rhs = rng.standard_normal((len(SIZES), K, N)).astype(np.float32)
+  return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(SIZES, jnp.int32)
+
+
+def per_group(lhs, rhs):
+  """numpy float64: every group's rows times its matrix, zero past the groups."""
+  lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  start = 0
+  for g, size in enumerate(SIZES):
+    out[start:start + size] = lhs[start:start + size] @ rhs[g]
+    start += size
+  return out
+
+
+def test_reference_is_a_matmul_per_group():
+  lhs, rhs, sizes = operands(0)
+  np.testing.assert_allclose(reference.gmm(lhs, rhs, sizes), per_group(lhs, rhs), rtol=1e-5,
+                             atol=1e-5)
+  swapped = jnp.swapaxes(rhs, 1, 2)
+  np.testing.assert_allclose(reference.gmm(lhs, swapped, sizes, transpose_rhs=True),
+                             per_group(lhs, rhs), rtol=1e-5, atol=1e-5)
+  dout = jnp.asarray(np.random.default_rng(1).standard_normal((20, 6)), jnp.float32)
+  dw = reference.tgmm(lhs, dout, sizes)
+  assert dw.shape == rhs.shape and not np.any(np.asarray(dw[1]))  # the empty group
+  np.testing.assert_allclose(dw[2], np.asarray(lhs[5:14]).T @ np.asarray(dout[5:14]),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_vjp_is_autodiff_of_ragged_dot():
+  """Gradients of both operands through the custom VJP (two more grouped products) equal
+  JAX's autodiff of `ragged_dot`, fp32, with an empty group and rows past the groups; the
+  output is lhs's dtype (bf16 in, bf16 out)."""
+  lhs, rhs, sizes = operands(2)
+  dout = jnp.asarray(np.random.default_rng(3).standard_normal((20, 6)), jnp.float32)
+  ours = jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, sizes, backend="reference")
+                                       * dout), (0, 1))(lhs, rhs)
+  ref = jax.grad(lambda a, b: jnp.sum(jax.lax.ragged_dot(a, b, sizes) * dout), (0, 1))(lhs, rhs)
+  for a, b in zip(ours, ref):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  lhs16, rhs16, _ = operands(2, dtype=jnp.bfloat16)
+  assert grouped_matmul(lhs16, rhs16, sizes, backend="reference").dtype == jnp.bfloat16
+
+
+def test_backends_and_errors():
+  assert resolve_backend("auto", "gpu") == "kernel"
+  assert resolve_backend("auto", "tpu") == resolve_backend("auto", "cpu") == "reference"
+  lhs, rhs, sizes = operands(4)
+  with pytest.raises(ValueError, match="unknown grouped-matmul backend 'triton'"):
+    grouped_matmul(lhs, rhs, sizes, backend="triton")
+  with pytest.raises(ValueError, match=r"lhs \[M, K\] and rhs \[G, K, N\]"):
+    grouped_matmul(lhs, rhs[:, :4], sizes)
+  with pytest.raises(ValueError, match="group_sizes"):
+    grouped_matmul(lhs, rhs, sizes[:3])
+  with pytest.raises(ValueError, match="bf16 or fp16 operands of one dtype"):
+    grouped_matmul(lhs, rhs, sizes, backend="kernel", platform="gpu")
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  with pytest.raises(ValueError, match="M=20 to be a multiple of 8 rows"):
+    kernel.check(sd(20, 128), sd(4, 128, 128))
+  with pytest.raises(ValueError, match="K=96 to be a multiple of block_k=64"):
+    kernel.check(sd(24, 96), sd(4, 96, 128))
+  with pytest.raises(ValueError, match="N=64 to be a multiple of block_n=128"):
+    kernel.check(sd(24, 128), sd(4, 128, 64))
+
+
+def test_kernel_forward_lowers_for_cuda():
+  """The forward through the Mosaic GPU kernel lowers for CUDA on this CPU-only host: one
+  `mosaic_gpu` custom call, rows past the groups zeroed after it."""
+  sd = jax.ShapeDtypeStruct
+  fn = lambda a, b, g: grouped_matmul(a, b, g, backend="kernel", platform="gpu")
+  text = jax.jit(fn).trace(sd((304, 256), jnp.bfloat16), sd((4, 256, 128), jnp.bfloat16),
+                           sd((4,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
