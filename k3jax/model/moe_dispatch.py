@@ -54,16 +54,16 @@ def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: Expe
 
   z: [N, L]; idx: [N, k] int32; weights: [N, k] fp32. `experts(rows, group_sizes)` maps
   rows [N*k, L] sorted by expert (group_sizes [E] rows per expert, in expert order) to
-  [N*k, L]. Returns u [N, L] fp32.
+  [N*k, L]. Returns u [N, L] fp32. The sorted rows are the capacity dispatch's buffer with
+  one slot per pair, so both directions are the same gather-only custom VJPs.
   """
   n, k = idx.shape
   flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
-  order = jnp.argsort(flat, stable=True)  # [N*k] pair positions grouped by expert
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [N*k] the pair at each row
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-  out_sorted = experts(jnp.take(z, order // k, axis=0), group_sizes)  # [N*k, L]
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
-  out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, -1)  # [N, k, L]
-  return jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32), out.astype(jnp.float32))
+  row = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))  # of a pair
+  out_sorted = experts(_dispatch(z, order, row.reshape(n, k)), group_sizes)  # [N*k, L]
+  return _combine(out_sorted, weights, row.reshape(n, k), order)
 
 
 def _rank_in_expert(flat: jax.Array, num_experts: int) -> jax.Array:
