@@ -354,7 +354,8 @@ def main():
                       "(w2:bv32, w4:bv64:s16)")
   p.add_argument("--cots", default="4,8", help="chunk_cots warp counts for --breakdown")
   p.add_argument("--spans", default="",
-                 help="spans-forward tunings for --breakdown: warps:block_v:spans items")
+                 help="spans-forward tunings for --breakdown: warps:block:spans items, the "
+                      "block for the transitions' rows, the chain and rec_fwd alike")
   p.add_argument("--bwd", default="w8:tf32,w4:tf32",
                  help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
   a = p.parse_args()
@@ -386,7 +387,9 @@ def main():
       breakdown(tuple(map(int, shape.split(","))), tunings(a.prep, "prep"), rec,
                 [int(w) for w in a.cots.split(",")], tunings(a.bwd, "bwd"), a.reps,
                 a.interpret, a.chunk, a.gate_dtype,
-                {item: rec_tuning(item) for item in a.spans.split(",") if item})
+                {item: dict(rec_tuning(item), transition_block=rec_tuning(item)["block_v"],
+                            chain_block=rec_tuning(item)["block_v"])
+                 for item in a.spans.split(",") if item})
     return
   rows, dump = [], {}
   for shape in a.shapes:

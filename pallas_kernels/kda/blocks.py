@@ -31,6 +31,9 @@ class Config:
   # (1, 32768, 16, 128) in 8 spans (results/kda.md, session 12): 0.49 ms at 128, 0.65 at 64,
   # 0.72 at 32, 1.22 at 16
   transition_block: int = 128
+  # V columns per program of the chain through the spans ([BV, K] x [K, K] fp32 products):
+  # 0.05 ms at 16, 0.14 at 64 over 8 spans at (1, 32768, 16, 128) (session 12)
+  chain_block: int = 16
   prep_warps: int = 4  # measured on the H200: 4 warps twice as fast as 8
   # GPU fp32 matmuls of prep ("tf32x3", "tf32" or "ieee"). H200 (8, 4096, 16, 128), chunk 16,
   # fp32 gate: prep 0.80 ms at tf32, 1.24 at tf32x3; errors against the fp32 reference equal

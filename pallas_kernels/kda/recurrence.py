@@ -16,12 +16,22 @@ from pallas_kernels.kda import blocks, tile
 from pallas_kernels.kda.blocks import F32
 
 
+def v_new(cfg, w, u, st):
+  """[C, BV] fp32: the chunk's corrected values u - w S for the state st [BV, K]."""
+  return u.astype(F32) - tile.dot(w, st, "nt", cfg.precision, cfg.mm)
+
+
+def next_state(cfg, st, dec, vn, ks):
+  """[BV, K] fp32: the state leaving the chunk, S <- dec S + k_s^T v_new (transposed)."""
+  return st * dec + tile.dot(vn, ks, "tn", cfg.precision, cfg.mm)
+
+
 def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
   """One chunk: (o [C, BV], the next state) from the state st [BV, K] (transposed)."""
   mm, prec = cfg.mm, cfg.precision
-  v_new = u.astype(F32) - tile.dot(w, st, "nt", prec, mm)  # [C, BV]
-  o = tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, v_new, "nn", prec, mm)
-  return o, st * dec + tile.dot(v_new, ks, "tn", prec, mm)
+  vn = v_new(cfg, w, u, st)
+  o = tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, vn, "nn", prec, mm)
+  return o, next_state(cfg, st, dec, vn, ks)
 
 
 def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,

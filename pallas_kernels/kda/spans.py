@@ -31,10 +31,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import blocks, recurrence, tile
 from pallas_kernels.kda.blocks import F32
 
-# V columns per program of the chain: its [BV, K] x [K, K] fp32 products at BV = 16 took
-# 0.05 ms over 8 spans at (1, 32768, 16, 128) on the H200, at 64 0.14 ms (results/kda.md,
-# session 12).
-CHAIN_BLOCK = 16
 
 
 def forward(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
@@ -70,7 +66,7 @@ def backward(cfg, w, a, qs, ks, dec, do, dst, t):
 def _transition_kernel(w_ref, u_ref, ks_ref, dec_ref, t_ref, *, cfg, n_chunks, p_blocks):
   """One program per (b, h, row block of the transition, span): rows of P^T (the chunk step
   from the identity's rows, u = 0) or of R^T (from zero, with u's V block)."""
-  C, mm, prec = cfg.chunk, cfg.mm, cfg.precision
+  C = cfg.chunk
   i = pl.program_id(2)
   BV, K = t_ref.shape
   is_p = i < p_blocks
@@ -81,15 +77,16 @@ def _transition_kernel(w_ref, u_ref, ks_ref, dec_ref, t_ref, *, cfg, n_chunks, p
   def body(n, st):
     rows = pl.ds(pl.multiple_of(n * C, C), C)
     u = jnp.where(is_p, 0.0, u_ref[rows, :].astype(F32))
-    v_new = u - tile.dot(w_ref[rows, :], st, "nt", prec, mm)
-    return st * dec_ref[n] + tile.dot(v_new, ks_ref[rows, :], "tn", prec, mm)
+    vn = recurrence.v_new(cfg, w_ref[rows, :], u, st)
+    return recurrence.next_state(cfg, st, dec_ref[n], vn, ks_ref[rows, :])
 
   t_ref[...] = lax.fori_loop(0, n_chunks, body, st)
 
 
 def transitions(cfg, w, u, ks, dec):
   """[B, H, S, K + V, K] fp32: each span's P^T (rows :K) and R^T (rows K:), where the state
-  leaving span s is st_in P_s^T + R_s^T for the state st_in entering it (transposed)."""
+  leaving span s is st_in P_s^T + R_s^T for the state st_in entering it (transposed). Rows
+  in blocks of `cfg.transition_block`."""
   V, S = u.shape[-1], cfg.spans
   B, H, Tp, K = blocks.dims(cfg, w)
   N = dec.shape[2]
@@ -130,7 +127,7 @@ def chain(cfg, t, r, st0, *, reverse):
   (reverse: the cotangent leaving each) [B, H, S, V, K] and the final one [B, H, V, K]."""
   B, H, S, _, K = t.shape
   V = st0.shape[2]
-  BV = min(CHAIN_BLOCK, V, K)
+  BV = min(cfg.chain_block, V, K)
   r_offset = 0 if reverse else K // BV
   span_states = pl.BlockSpec((None, None, S, BV, K), lambda b, h, i: (b, h, 0, i, 0))
   return blocks.call(
