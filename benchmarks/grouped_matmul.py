@@ -2,15 +2,16 @@
 capacity layout's batched einsum (the dense rate of the same rows), at a MoE's shapes.
 
     python benchmarks/grouped_matmul.py                       # k3_small's experts
-    python benchmarks/grouped_matmul.py --sweep               # tile sizes of the kernel
+    python benchmarks/grouped_matmul.py --sweep=gmm,gmm^T,tgmm  # tile sizes, per product
     python benchmarks/grouped_matmul.py --rows 65536 --k 1024 --n 768 --groups 64
 
 One product [M, K] x [G, K, N] (rows sorted by group, bf16), forward and forward+backward
 (dlhs and the weight gradient: two more grouped products), on balanced groups (M / G rows
 each, as the capacity layout's buffers at factor 1.0) and on random ones (each row's group
-drawn uniformly). First the kernel's agreement with the reference (relative RMS of out,
-dlhs, drhs), then median times and TFLOP/s (2 M K N a product; fwd+bwd 3x) against
-ANCHORS.md's 669 TFLOP/s batched-einsum ceiling.
+drawn uniformly). Each row: median times and TFLOP/s (2 M K N a product; fwd+bwd 3x) against
+ANCHORS.md's 669 TFLOP/s batched-einsum ceiling; the forward's relative RMS error against
+the exact product (float64 on the host); agreement with `ragged_dot` (relative RMS of out,
+dlhs, drhs). `--sweep`: each product of the kernel over tile sizes (balanced groups).
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def implementations(G):
   return {"kernel": lambda a, b, s: grouped_matmul(a, b, s, backend="kernel"),
           "xla ragged_dot": lambda a, b, s: grouped_matmul(a, b, s, backend="reference"),
           "capacity einsum": capacity}
+
+
+def exact_error(out, lhs, rhs, sizes):
+  """Relative RMS of out against the per-group product in float64 (numpy)."""
+  lhs, rhs, out = (np.asarray(x, np.float64) for x in (lhs, rhs, out))
+  exact = np.zeros_like(out)
+  start = 0
+  for g, size in enumerate(np.asarray(sizes)):
+    exact[start:start + size] = lhs[start:start + size] @ rhs[g]
+    start += size
+  return rel_rms(out, exact)
 
 
 def fwd_and_bwd(f, dout):
@@ -79,32 +91,35 @@ def compare(M, K, N, G, reps):
     for name, (out, dlhs, drhs, f_ms, fb_ms) in results.items():
       agree = ""
       if ref is not None and name != "xla ragged_dot":
-        agree = " vs ragged_dot: " + ", ".join(
+        agree = ", ".join(
             f"{n} {rel_rms(a, b):.1e}" for n, a, b in
             (("out", out, ref[0]), ("dlhs", dlhs, ref[1]), ("drhs", drhs, ref[2])))
       print(f"| {label} | {name} | {f_ms:.3f} | {fb_ms:.3f} | {flop / f_ms / 1e9:.0f} | "
-            f"{3 * flop / fb_ms / 1e9:.0f} | {3 * flop / fb_ms / 1e9 / CEILING_TFLOPS:.0%} |"
-            f"{agree}", flush=True)
+            f"{3 * flop / fb_ms / 1e9:.0f} | {3 * flop / fb_ms / 1e9 / CEILING_TFLOPS:.0%} | "
+            f"{exact_error(out, lhs, rhs, sizes):.2e} | {agree} |", flush=True)
 
 
-def sweep(M, K, N, G, reps):
+def sweep(M, K, N, G, reps, products):
   """Times of each product of the kernel over tile sizes (balanced groups)."""
   lhs, rhs, sizes, dout = problem(0, M, K, N, G, True)
   dout16 = dout.astype(jnp.bfloat16)
-  products = {
-      "gmm": lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, blocks=b)),
-      "gmm^T": lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, transpose_rhs=True,
-                                                            blocks=b)),
-      "tgmm": lambda b: jax.jit(lambda a, d, s: kernel.tgmm(a, d, s, blocks=b))}
-  args = {"gmm": (lhs, rhs, sizes), "gmm^T": (dout16, rhs, sizes), "tgmm": (lhs, dout16, sizes)}
+  candidates = {
+      "gmm": (lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, blocks=b)),
+              (lhs, rhs, sizes)),
+      "gmm^T": (lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, transpose_rhs=True,
+                                                             blocks=b)),
+                (dout16, rhs, sizes)),
+      "tgmm": (lambda b: jax.jit(lambda a, d, s: kernel.tgmm(a, d, s, blocks=b)),
+               (lhs, dout16, sizes))}
   flop = 2 * M * K * N
-  for name, make in products.items():
+  for name in products:
+    make, args = candidates[name]
     best = None
     for bm, bn, steps, gbn in itertools.product((64, 128, 192), (64, 128), (2, 4, 6), (1, 4)):
       blocks = kernel.Blocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
                              grid_block_n=gbn)
       try:
-        ms = time_jax(make(blocks), args[name], reps)
+        ms = time_jax(make(blocks), args, reps)
       except Exception as e:  # noqa: BLE001 -- a tile the shapes or shared memory refuse
         print(f"  {name} {blocks}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         continue
@@ -123,15 +138,16 @@ def main():
   p.add_argument("--n", type=int, default=768, help="N (k3_small: expert hidden 768)")
   p.add_argument("--groups", type=int, default=64)
   p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--sweep", action="store_true")
+  p.add_argument("--sweep", default="", help="products to sweep tiles of, from gmm,gmm^T,tgmm")
   a = p.parse_args()
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; M {a.rows}, K {a.k}, "
         f"N {a.n}, G {a.groups}, bf16", flush=True)
   if a.sweep:
-    sweep(a.rows, a.k, a.n, a.groups, a.reps)
+    sweep(a.rows, a.k, a.n, a.groups, a.reps, a.sweep.split(","))
     return
-  print("| groups | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | of 669 |")
-  print("|---|---|---|---|---|---|---|")
+  print("| groups | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | of 669 | "
+        "out vs exact | vs ragged_dot |")
+  print("|---|---|---|---|---|---|---|---|---|")
   compare(a.rows, a.k, a.n, a.groups, a.reps)
 
 

@@ -1,7 +1,8 @@
 """Grouped matmul (pallas_kernels/grouped_matmul): the reference is a matmul per group (empty
 groups, rows past the groups); its custom VJP equals autodiff of `jax.lax.ragged_dot`; the
-dispatcher's backends and the errors the kernel path names; the Mosaic GPU forward lowers
-for CUDA from this CPU (no GPU needed; its weight gradient traces on a GPU host only)."""
+dispatcher's backends and the errors the kernel path names; the Mosaic GPU kernel's forward
+equals a matmul per group in Mosaic GPU's interpreter, and it lowers for CUDA from this CPU,
+forward and lhs gradient (the weight gradient's kernel traces on a GPU host only)."""
 
 import jax
 import jax.numpy as jnp
@@ -72,20 +73,52 @@ def test_backends_and_errors():
     grouped_matmul(lhs, rhs, sizes[:3])
   with pytest.raises(ValueError, match="bf16 or fp16 operands of one dtype"):
     grouped_matmul(lhs, rhs, sizes, backend="kernel", platform="gpu")
+  # "auto" on a GPU takes the reference where the kernel's tiles do not fit
+  np.testing.assert_array_equal(grouped_matmul(lhs, rhs, sizes, platform="gpu"),
+                                grouped_matmul(lhs, rhs, sizes, backend="reference"))
   sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   with pytest.raises(ValueError, match="M=20 to be a multiple of 8 rows"):
     kernel.check(sd(20, 128), sd(4, 128, 128))
   with pytest.raises(ValueError, match="K=96 to be a multiple of block_k=64"):
     kernel.check(sd(24, 96), sd(4, 96, 128))
-  with pytest.raises(ValueError, match="N=64 to be a multiple of block_n=128"):
+  with pytest.raises(ValueError, match="N=96 to be a multiple of the lhs gradient's block_k"):
+    kernel.check(sd(24, 128), sd(4, 128, 96))
+  with pytest.raises(ValueError, match="N=64 to be a multiple of the weight gradient's block_n"):
     kernel.check(sd(24, 128), sd(4, 128, 64))
 
 
-def test_kernel_forward_lowers_for_cuda():
-  """The forward through the Mosaic GPU kernel lowers for CUDA on this CPU-only host: one
-  `mosaic_gpu` custom call, rows past the groups zeroed after it."""
+def test_kernel_matches_reference_in_interpreter():
+  """The Mosaic GPU kernel's forward, run by Mosaic GPU's interpreter on this CPU, equals a
+  matmul per group (bf16 in and out, fp32 accumulation): group boundaries inside a row
+  block, an empty group, rows past the groups zeroed."""
+  rng = np.random.default_rng(5)
+  # 236 of M = 256 rows; M a multiple of the row block (past M, the interpreter refuses the
+  # reads that TMA zero-fills on a GPU)
+  sizes = [70, 0, 100, 50, 0]
+  lhs = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((5, 128, 256)), jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  out = kernel.gmm(lhs, rhs, gs, blocks=kernel.Blocks(64, 64, 64, 2, 1), interpret=True)
+  exact = np.zeros((256, 256))
+  start = 0
+  for g, size in enumerate(sizes):
+    exact[start:start + size] = (np.asarray(lhs[start:start + size], np.float64)
+                                 @ np.asarray(rhs[g], np.float64))
+    start += size
+  # only the bf16 rounding of the output: half an ulp of each value
+  ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
+  assert out.dtype == jnp.bfloat16
+  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 0.5 * ulp + 1e-3)
+  assert not np.any(np.asarray(out[236:]))
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_kernel_lowers_for_cuda(transpose_rhs):
+  """The forward (and the lhs gradient's product, on rhs^T) through the Mosaic GPU kernel
+  lowers for CUDA on this CPU-only host: one `mosaic_gpu` custom call."""
   sd = jax.ShapeDtypeStruct
-  fn = lambda a, b, g: grouped_matmul(a, b, g, backend="kernel", platform="gpu")
-  text = jax.jit(fn).trace(sd((304, 256), jnp.bfloat16), sd((4, 256, 128), jnp.bfloat16),
-                           sd((4,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  fn = lambda a, b, g: kernel.gmm(a, b, g, transpose_rhs=transpose_rhs)
+  rhs = sd((4, 256, 512) if transpose_rhs else (4, 512, 256), jnp.bfloat16)
+  text = jax.jit(fn).trace(sd((304, 512), jnp.bfloat16), rhs, sd((4,), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1

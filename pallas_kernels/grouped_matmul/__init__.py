@@ -4,7 +4,7 @@ own matrix (`reference.gmm`), differentiable in both operands.
 `grouped_matmul(lhs, rhs, group_sizes, backend=)` dispatches to:
   "reference"  plain JAX (`jax.lax.ragged_dot`; on TPU XLA's grouped-matmul kernels);
   "kernel"     Pallas Mosaic GPU kernels (`kernel.py`: JAX's library kernels; H100 / H200);
-  "auto"       "kernel" on GPU, "reference" elsewhere.
+  "auto"       "kernel" on GPU where the operands fit its tiles, else "reference".
 Its VJP is two more grouped products of the same backend: dlhs = gmm(dout, rhs^T) and
 drhs = tgmm(lhs, dout) (per group lhs^T dout). Imports nothing from `k3jax/`.
 """
@@ -48,10 +48,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                      f"and {rhs.shape}")
   if group_sizes.shape != rhs.shape[:1]:
     raise ValueError(f"group_sizes {group_sizes.shape} must be [G] for rhs {rhs.shape}")
-  backend = resolve_backend(backend, target_platform(None, platform))
-  if backend == "kernel":
-    kernel.check(lhs, rhs)
-  return _gmm(backend, lhs, rhs, group_sizes)
+  resolved = resolve_backend(backend, target_platform(None, platform))
+  if resolved == "kernel":
+    try:
+      kernel.check(lhs, rhs)
+    except ValueError:
+      if backend != "auto":
+        raise
+      resolved = "reference"  # shapes or dtypes the tiles do not divide (small models)
+  return _gmm(resolved, lhs, rhs, group_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

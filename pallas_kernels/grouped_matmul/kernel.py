@@ -2,16 +2,17 @@
 kernels (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu` and
 `transposed_ragged_dot_mgpu`: persistent, TMA-fed, wgmma), called here, not copied.
 
-They want bf16 / fp16 operands of one dtype, and tile sizes that divide the matmul: K by
-block_k for `gmm`; for `tgmm` the output's [K, N] by (block_m, block_n). Rows past the
-groups are left unwritten by the kernel; `gmm` zeroes them, so its result equals the
-reference's. Tile sizes (`Blocks`) are per product. Mosaic GPU lowers from a CPU host for
-`gmm` (tests check it); `tgmm` reads the device's SM count when it is traced, so it lowers
-on a GPU host only.
+They want bf16 / fp16 operands of one dtype and tile sizes that divide the matmul (`check`
+names what does not). Rows past the groups are left unwritten by the kernel; `gmm` zeroes
+them, so its result equals the reference's. Tile sizes are per product, measured on the
+H200 (`benchmarks/grouped_matmul.py --sweep`). `gmm` lowers from a CPU host and runs in
+Mosaic GPU's interpreter there (tests do both); `tgmm` reads the device's SM count when it
+is traced, so it lowers on a GPU host only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 
@@ -28,53 +29,65 @@ class Blocks:
   grid_block_n: int = 1
 
 
-# Not yet tuned on the H200 (the library's own sweep spans blocks of 64-192 and 2-6
-# concurrent steps): benchmarks/grouped_matmul.py --sweep.
-GMM, TGMM = Blocks(), Blocks()
+# The fastest of benchmarks/grouped_matmul.py --sweep on the H200 at k3_small's experts
+# (M 65536, K 1024, N 768, 64 groups; benchmarks/results/moe.md): 341 / 306 / 514 TFLOP/s,
+# against 280 / - / 460 with the library's defaults (4 steps, grid_block_n 1).
+GMM = Blocks(max_concurrent_steps=6, grid_block_n=4)   # the forward
+DLHS = Blocks(max_concurrent_steps=6, grid_block_n=4)  # gmm on rhs^T: the lhs gradient
+TGMM = Blocks(max_concurrent_steps=6, grid_block_n=4)  # the weight gradient
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def check(lhs, rhs, gmm_blocks=GMM, tgmm_blocks=TGMM):
-  """Raises ValueError naming what the kernels cannot take: lhs [M, K] and rhs [G, K, N]
-  of one 16-bit dtype, M a multiple of 8 (the TMA tile of rows), K and N multiples of the
-  tiles (the forward's K by block_k and N by block_n; the weight gradient's K by block_m
-  and N by block_n)."""
+def check(lhs, rhs):
+  """Raises ValueError naming what the kernels cannot take: lhs [M, K] and rhs [G, K, N] of
+  one 16-bit dtype, M a multiple of 8 (the TMA tile of rows); the forward's K by block_k,
+  the lhs gradient's (the product on rhs^T) N by its block_k, the weight gradient's K by
+  block_m and N by block_n."""
   m, k = lhs.shape
   _, _, n = rhs.shape
   if lhs.dtype != rhs.dtype or lhs.dtype not in DTYPES:
     raise ValueError(f"the grouped-matmul kernel takes bf16 or fp16 operands of one dtype, "
                      f"got {lhs.dtype} and {rhs.dtype}")
-  for dim, size, tile, what in ((m, "M", 8, "8 rows"), (k, "K", gmm_blocks.block_k, "block_k"),
-                                (n, "N", gmm_blocks.block_n, "block_n"),
-                                (k, "K", tgmm_blocks.block_m, "the weight gradient's block_m"),
-                                (n, "N", tgmm_blocks.block_n, "the weight gradient's block_n")):
+  for dim, size, tile, what in (
+      (m, "M", 8, "8 rows"), (k, "K", GMM.block_k, "block_k"),
+      (n, "N", DLHS.block_k, "the lhs gradient's block_k"),
+      (k, "K", TGMM.block_m, "the weight gradient's block_m"),
+      (n, "N", TGMM.block_n, "the weight gradient's block_n")):
     if dim % tile:
       raise ValueError(f"the grouped-matmul kernel needs {size}={dim} to be a multiple of "
                        f"{what}={tile}")
 
 
-def _library(name):
-  from jax.experimental.pallas.ops.gpu import (  # noqa: PLC0415  (imports Mosaic GPU)
-      ragged_dot_mgpu, transposed_ragged_dot_mgpu)
-  return {"gmm": ragged_dot_mgpu.ragged_dot,
-          "tgmm": transposed_ragged_dot_mgpu.transposed_ragged_dot}[name]
+def gmm(lhs, rhs, group_sizes, transpose_rhs=False, blocks=None, interpret=False):
+  """As `reference.gmm`: [M, K] x [G, K, N] ([G, N, K] if transpose_rhs) -> [M, N].
 
-
-def gmm(lhs, rhs, group_sizes, transpose_rhs=False, blocks=GMM):
-  """As `reference.gmm`: [M, K] x [G, K, N] ([G, N, K] if transpose_rhs) -> [M, N]."""
-  fn = _library("gmm")
-  kw = dataclasses.asdict(blocks)
+  blocks: None for GMM (DLHS if transpose_rhs). interpret: run in Mosaic GPU's interpreter
+  (on a CPU; JAX 0.10's cannot take transpose_rhs).
+  """
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415
+  fn = ragged_dot_mgpu.ragged_dot
+  kw = dataclasses.asdict(blocks or (DLHS if transpose_rhs else GMM))
   if transpose_rhs:
     if "transpose_rhs" in inspect.signature(fn).parameters:
       kw["transpose_rhs"] = True
     else:  # older JAX: the kernel reads rhs as [G, K, N] only
       rhs = jnp.swapaxes(rhs, 1, 2)
-  out = fn(lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), **kw)
+  with _interpreted() if interpret else contextlib.nullcontext():
+    out = fn(lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), **kw)
+  # rows past the groups: XLA fuses this select into what reads the product
   rows = jnp.arange(lhs.shape[0], dtype=jnp.int32)[:, None]
   return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
 
 
 def tgmm(lhs, rhs, group_sizes, blocks=TGMM):
   """As `reference.tgmm`: [M, K], [M, N] -> [G, K, N], per group lhs^T rhs."""
-  return _library("tgmm")(lhs, rhs, group_sizes=group_sizes.astype(jnp.int32),
-                          **dataclasses.asdict(blocks))
+  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: PLC0415
+  return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+      lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), **dataclasses.asdict(blocks))
+
+
+def _interpreted():
+  # JAX exports no name for it yet (0.10 - 0.11): Mosaic GPU kernels traced inside run in
+  # its interpreter.
+  from jax._src.pallas.mosaic_gpu.interpret import params  # noqa: PLC0415
+  return params.force_gpu_interpret_mode(params.InterpretGPUParams())
