@@ -21,12 +21,12 @@ def operands(seed, M=20, K=8, N=6, dtype=jnp.float32):
   return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(SIZES, jnp.int32)
 
 
-def per_group(lhs, rhs):
+def per_group(lhs, rhs, sizes=SIZES):
   """numpy float64: every group's rows times its matrix, zero past the groups."""
   lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
   out = np.zeros((lhs.shape[0], rhs.shape[2]))
   start = 0
-  for g, size in enumerate(SIZES):
+  for g, size in enumerate(sizes):
     out[start:start + size] = lhs[start:start + size] @ rhs[g]
     start += size
   return out
@@ -99,12 +99,7 @@ def test_kernel_matches_reference_in_interpreter():
   rhs = jnp.asarray(rng.standard_normal((5, 128, 256)), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
   out = kernel.gmm(lhs, rhs, gs, blocks=kernel.Blocks(64, 64, 64, 2, 1), interpret=True)
-  exact = np.zeros((256, 256))
-  start = 0
-  for g, size in enumerate(sizes):
-    exact[start:start + size] = (np.asarray(lhs[start:start + size], np.float64)
-                                 @ np.asarray(rhs[g], np.float64))
-    start += size
+  exact = per_group(lhs, rhs, sizes)
   # only the bf16 rounding of the output: half an ulp of each value
   ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
   assert out.dtype == jnp.bfloat16
