@@ -86,9 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
                              # "expert_parallel_dropless" (dropless per device, ragged
                              # all-to-all over mesh.expert; TPU / GPU only)
                              # or "auto": expert_parallel_dropless on TPU (ragged_dot lowers
-                             # to grouped-matmul kernels), capacity on GPU / CPU (ragged_dot
-                             # is ~60x below the matmul rate on H200); see
-                             # k3jax.model.moe_dispatch.resolve_dispatch
+                             # to grouped-matmul kernels) and on GPU where the Mosaic GPU
+                             # grouped matmuls take the experts' shapes, capacity elsewhere
+                             # (CPU; XLA's ragged_dot is ~60x below the matmul rate on H200);
+                             # see k3jax.model.moe_dispatch.resolve_dispatch
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
   # The dropless dispatches' grouped matmuls (pallas_kernels.grouped_matmul): "auto" (the
   # Mosaic GPU kernel on GPU, ragged_dot elsewhere), "reference" (ragged_dot), "kernel"

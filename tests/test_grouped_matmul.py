@@ -87,6 +87,28 @@ def test_backends_and_errors():
     kernel.check(sd(24, 128), sd(4, 128, 64))
 
 
+@pytest.mark.parametrize("sizes", [[70, 0, 100, 50, 0], [64, 64, 0, 128], [0, 0, 5, 250]])
+def test_tile_table_lists_each_block_once_per_group(sizes):
+  """The forward kernel's work list: for every group, the row blocks it has rows in, in
+  order, with the group's first row in the block and row count; no tile for an empty
+  group; the rows past the groups as one more group (G, written zero); nothing else."""
+  bm, rows = 64, 256
+  table, count = kernel.tile_table(jnp.asarray(sizes, jnp.int32), rows, bm)
+  expected, start = [], 0
+  for g, size in enumerate(sizes + [rows - sum(sizes)]):
+    for block in range(start // bm, -(-(start + size) // bm) if size else 0):
+      lo, hi = max(start, block * bm), min(start + size, (block + 1) * bm)
+      expected.append((g, block, lo - block * bm, hi - lo))
+    start += size
+  bound = rows // bm + len(sizes)
+  assert table.shape == (4 * bound,) and int(count[0]) == len(expected) <= bound
+  listed = np.asarray(table).reshape(4, bound).T[:len(expected)]
+  assert [tuple(int(v) for v in t) for t in listed] == expected
+  # no loop: on a GPU each iteration of a while loop waits on the host
+  program = jax.jit(lambda s: kernel.tile_table(s, rows, bm)).lower(jnp.asarray(sizes))
+  assert "while" not in program.as_text()
+
+
 def test_kernel_matches_reference_in_interpreter():
   """The Mosaic GPU kernel's forward, run by Mosaic GPU's interpreter on this CPU, equals a
   matmul per group (bf16 in and out, fp32 accumulation): group boundaries inside a row
@@ -98,7 +120,9 @@ def test_kernel_matches_reference_in_interpreter():
   lhs = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
   rhs = jnp.asarray(rng.standard_normal((5, 128, 256)), jnp.bfloat16)
   gs = jnp.asarray(sizes, jnp.int32)
-  out = kernel.gmm(lhs, rhs, gs, blocks=kernel.Blocks(64, 64, 64, 2, 1), interpret=True)
+  # 2 persistent CTAs: each walks several tiles; grid_block_n 2: the snake over columns
+  out = kernel.gmm(lhs, rhs, gs, blocks=kernel.Blocks(64, 64, 64, 2, 2), interpret=True,
+                   num_sms=2)
   exact = per_group(lhs, rhs, sizes)
   # only the bf16 rounding of the output: half an ulp of each value
   ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)

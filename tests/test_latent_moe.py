@@ -332,3 +332,22 @@ def test_dropless_dispatch_is_gathers_both_ways():
   float_scatter_adds = [q for q in eqns if q.primitive.name == "scatter-add"
                         and jnp.issubdtype(q.outvars[0].aval.dtype, jnp.floating)]
   assert not float_scatter_adds  # (bincount's integer one counts the group sizes)
+
+
+def test_auto_dispatch_per_platform():
+  """moe.dispatch="auto": the dropless dispatch per device on TPU, and on GPU where the
+  grouped-matmul kernel takes the experts' shapes (k3_small's, bf16); capacity on CPU and on
+  GPU where it does not (k3_tiny's, or fp32 compute, or gmm_backend="reference")."""
+  from k3jax.model.moe_dispatch import grouped_kernel_fits, resolve_dispatch  # noqa: PLC0415
+  small = dict(rows=4096 * 8, latent=1024, hidden=768, num_experts=64)
+  assert grouped_kernel_fits(**small, dtype=jnp.bfloat16)
+  assert not grouped_kernel_fits(**small, dtype=jnp.float32)
+  assert not grouped_kernel_fits(**small, dtype=jnp.bfloat16, backend="reference")
+  # k3_tiny's: the latent (64) is narrower than the weight gradient's row block (128)
+  assert not grouped_kernel_fits(rows=128 * 4, latent=64, hidden=128, num_experts=16,
+                                 dtype=jnp.bfloat16)
+  assert resolve_dispatch("auto", "tpu") == "expert_parallel_dropless"
+  assert resolve_dispatch("auto", "gpu", grouped_kernel=True) == "expert_parallel_dropless"
+  assert resolve_dispatch("auto", "gpu", grouped_kernel=False) == "capacity"
+  assert resolve_dispatch("auto", "cpu", grouped_kernel=True) == "capacity"
+  assert resolve_dispatch("capacity", "tpu") == "capacity"

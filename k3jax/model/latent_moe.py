@@ -19,8 +19,9 @@ A dispatch maps z and the routing to u, chosen by `moe.dispatch` (`moe_dispatch.
       the `expert` axis and an explicit all-to-all of the latent buffers; the same result;
   "expert_parallel_dropless": "dropless" the same way, the sorted rows exchanged with
       ragged all-to-alls (TPU and GPU only); per data-parallel device when mesh.expert is 1;
-  "auto": "expert_parallel_dropless" when the program is compiled for TPU, "capacity" for
-      GPU and CPU (`moe_dispatch.resolve_dispatch`; the platform of the mesh installed by
+  "auto": "expert_parallel_dropless" when the program is compiled for TPU, or for GPU
+      where the experts' shapes fit the grouped-matmul kernel; else "capacity"
+      (`moe_dispatch.resolve_dispatch`; the platform of the mesh installed by
       `axes.use_rules`, else JAX's default backend: a compile-only TPU mesh on a CPU host,
       as in `k3jax.aot`, gets the TPU choice).
 
@@ -45,7 +46,8 @@ from k3jax.model.axes import constrain
 from k3jax.model.expert_parallel import expert_parallel_dropless_moe, expert_parallel_moe
 from k3jax.model.layers import Dense, RMSNorm, normal, param
 from k3jax.model.moe_dispatch import (DISPATCHES, batched_glu_experts, capacity_moe,
-                                      dropless_moe, ragged_glu_experts, resolve_dispatch)
+                                      dropless_moe, grouped_kernel_fits, ragged_glu_experts,
+                                      resolve_dispatch)
 from k3jax.model.situ_glu import GLUMLP, glu_activation
 
 
@@ -130,7 +132,10 @@ class LatentMoE(nnx.Module):
     w = weights * self.routed_scaling
     mesh = axes.current_mesh()
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    dispatch = resolve_dispatch(self.dispatch, platform)
+    # devices hold whole rows: where one row's t * k pairs fit the kernel, any device's do
+    fits = grouped_kernel_fits(t * k, z.shape[-1], self.w_g.shape[-1], n_exp, self.dtype,
+                               self.gmm_backend)
+    dispatch = resolve_dispatch(self.dispatch, platform, fits)
     if dispatch == "dropless":
       experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype,
                                    self.gmm_backend, platform)

@@ -15,10 +15,11 @@ k slots per token, E experts, L latent width, H expert hidden width, C capacity.
 compiles `ragged_dot` to grouped-matmul kernels (`ragged-dot-*` TPU custom calls;
 tests/test_aot.py compiles the layer for v5p), in its per-device form
 "expert_parallel_dropless" (under jit alone XLA runs the sorted rows of "dropless"
-unpartitioned: every data-parallel device computes every token's experts); "capacity" on
-CPU, where `ragged_dot` runs every expert densely, and on GPU until the train step with the
-dropless dispatch is measured there (its layer, on the Mosaic GPU grouped matmuls, is 17%
-faster than capacity's at factor 2.0: benchmarks/results/moe.md, run 6).
+unpartitioned: every data-parallel device computes every token's experts); the same on GPU
+where the Mosaic GPU grouped matmuls take the experts' shapes (`grouped_kernel_fits`:
+k3_small's train step 2383 ms against 2529 with capacity at factor 2.0, results/
+train_step.md); "capacity" on CPU, where `ragged_dot` runs every expert densely, and on GPU
+where the kernel's tiles do not fit (XLA's `ragged_dot` there is ~60x below the matmul rate).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import grouped_matmul, resolve_backend
 from pallas_kernels.shard_types import cotangent_like
 
 DISPATCHES = ("dropless", "capacity", "expert_parallel", "expert_parallel_dropless",
@@ -37,16 +38,30 @@ ExpertsFn = Callable[[jax.Array, jax.Array], jax.Array]
 BufferExpertsFn = Callable[[jax.Array], jax.Array]
 
 
-def resolve_dispatch(dispatch: str, platform: str) -> str:
+def resolve_dispatch(dispatch: str, platform: str, grouped_kernel: bool = False) -> str:
   """`dispatch` (one of DISPATCHES) with "auto" made concrete for `platform`, what the
   program is compiled for ("tpu", "gpu"/"cuda", "cpu"): "expert_parallel_dropless" (the
-  dropless dispatch per device) on TPU, "capacity" elsewhere. The other names are returned
-  as they are."""
+  dropless dispatch per device) on TPU, and on GPU where the experts' grouped matmuls run
+  as the kernel (grouped_kernel: `grouped_kernel_fits`); "capacity" elsewhere. The other
+  names are returned as they are."""
   if dispatch not in DISPATCHES:
     raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {dispatch!r}")
   if dispatch != "auto":
     return dispatch
-  return "expert_parallel_dropless" if platform == "tpu" else "capacity"
+  if platform == "tpu" or (platform in ("gpu", "cuda") and grouped_kernel):
+    return "expert_parallel_dropless"
+  return "capacity"
+
+
+def grouped_kernel_fits(rows: int, latent: int, hidden: int, num_experts: int, dtype,
+                        backend: str = "auto") -> bool:
+  """Whether the dropless experts' grouped matmuls on a GPU, rows [rows, latent] sorted by
+  expert times [E, latent, hidden] and back, run as the kernel under `backend`
+  (`moe.gmm_backend`): on 16-bit operands whose sizes divide its tiles."""
+  sd = jax.ShapeDtypeStruct
+  return all(resolve_backend(backend, "gpu", sd((rows, a), dtype),
+                             sd((num_experts, a, b), dtype)) == "kernel"
+             for a, b in ((latent, hidden), (hidden, latent)))
 
 
 def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: ExpertsFn,

@@ -3,7 +3,8 @@ own matrix (`reference.gmm`), differentiable in both operands.
 
 `grouped_matmul(lhs, rhs, group_sizes, backend=)` dispatches to:
   "reference"  plain JAX (`jax.lax.ragged_dot`; on TPU XLA's grouped-matmul kernels);
-  "kernel"     Pallas Mosaic GPU kernels (`kernel.py`: JAX's library kernels; H100 / H200);
+  "kernel"     Pallas Mosaic GPU kernels (`kernel.py`: ours for the forward and the lhs
+               gradient, JAX's library one for the weight gradient; H100 / H200);
   "auto"       "kernel" on GPU where the operands fit its tiles, else "reference".
 Its VJP is two more grouped products of the same backend: dlhs = gmm(dout, rhs^T) and
 drhs = tgmm(lhs, dout) (per group lhs^T dout). Imports nothing from `k3jax/`.
@@ -26,13 +27,22 @@ BACKENDS = ("reference", "kernel", "auto")
 _PRODUCTS = {"reference": reference, "kernel": kernel}
 
 
-def resolve_backend(backend: str, platform: str) -> str:
-  """The backend "auto" stands for on platform ("gpu", "tpu", "cpu"); others unchanged."""
+def resolve_backend(backend: str, platform: str, lhs=None, rhs=None) -> str:
+  """The backend `backend` stands for on platform ("gpu", "tpu", "cpu"): "auto" is "kernel"
+  on GPU where the operands (arrays or ShapeDtypeStructs, lhs [M, K], rhs [G, K, N]; both
+  or neither) fit its tiles, else "reference"; the others are returned unchanged."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown grouped-matmul backend {backend!r}; choose one of {BACKENDS}")
   if backend != "auto":
     return backend
-  return "kernel" if platform == "gpu" else "reference"
+  if platform != "gpu":
+    return "reference"
+  if lhs is not None:
+    try:
+      kernel.check(lhs, rhs)
+    except ValueError:
+      return "reference"  # shapes or dtypes the tiles do not divide (small models)
+  return "kernel"
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -48,14 +58,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                      f"and {rhs.shape}")
   if group_sizes.shape != rhs.shape[:1]:
     raise ValueError(f"group_sizes {group_sizes.shape} must be [G] for rhs {rhs.shape}")
-  resolved = resolve_backend(backend, target_platform(None, platform))
+  resolved = resolve_backend(backend, target_platform(None, platform), lhs, rhs)
   if resolved == "kernel":
-    try:
-      kernel.check(lhs, rhs)
-    except ValueError:
-      if backend != "auto":
-        raise
-      resolved = "reference"  # shapes or dtypes the tiles do not divide (small models)
+    kernel.check(lhs, rhs)  # an explicit "kernel" names what does not fit
   return _gmm(resolved, lhs, rhs, group_sizes)
 
 
