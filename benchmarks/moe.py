@@ -12,11 +12,10 @@ parameters and x ("fwd+bwd"):
             latent norm, up-projection, shared experts;
   experts   the three expert matmuls alone on the layer's own buffer shape
             ([E, rows, C, L] for "capacity", sorted rows for "dropless");
-  experts, bf16 weights   (capacity) the same on weights already in bf16: without the
-            per-call fp32 -> bf16 cast of the expert weights (and its transpose for the
-            gradients);
-  matmuls alone   (capacity) bf16 weights and a bare product g * v for the GLU: the three
-            batched matmuls at the layer's shapes, the ceiling of this layout;
+  experts, bf16 weights   the same on weights already in bf16: without the per-call
+            fp32 -> bf16 cast of the expert weights (and its transpose for the gradients);
+  matmuls alone   bf16 weights and a bare product g * v for the GLU: the three batched
+            (capacity) or grouped (dropless) matmuls at the layer's shapes;
   dispatch  the dispatch alone: the layer's gathers into buffers and back and the weighted
             combine, with identity experts (capacity), or the sort and unsort (dropless);
             compiled on its own, so XLA may fuse it differently than inside the layer;
@@ -102,11 +101,15 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
   dense = n * (2 * d * n_exp + 2 * d * lat + 2 * lat * d + e.num_shared * 3 * 2 * d * e.shared_dim)
   parts = {"layer": (run_layer, state, x, useful + dense, useful + dense)}
 
+  w16 = {name: a.astype(dtype) for name, a in w.items()}
   if e.dispatch == "dropless":
-    parts["experts"] = (
-        lambda w, rows_: moe_dispatch.ragged_glu_experts(w["g"], w["u"], w["d"], act, dtype)(
-            rows_, jnp.full((n_exp,), n * k // n_exp, jnp.int32)),
-        w, jnp.repeat(z, k, axis=0), useful, useful)
+    sizes = jnp.full((n_exp,), n * k // n_exp, jnp.int32)
+    for name, glu, ws in (("experts", act, w), ("experts, bf16 weights", act, w16),
+                          ("matmuls alone", lambda g, v: g * v, w16)):
+      parts[name] = (
+          lambda w, rows_, glu=glu: moe_dispatch.ragged_glu_experts(
+              w["g"], w["u"], w["d"], glu, dtype)(rows_, sizes),
+          ws, jnp.repeat(z, k, axis=0), useful, useful)
     parts["dispatch"] = (
         lambda _, z: moe_dispatch.dropless_moe(z, idx, weights, lambda r, g: r, n_exp),
         {}, z, 0, 0)
@@ -114,7 +117,6 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
     capacity = max(1, math.ceil(e.capacity_factor * seq * k / n_exp))
     buf = jax.random.normal(kz, (n_exp, rows, capacity, lat), dtype)
     issued = n_exp * rows * capacity * per_pair
-    w16 = {name: a.astype(dtype) for name, a in w.items()}
     for name, glu, ws in (("experts", act, w), ("experts, bf16 weights", act, w16),
                           ("matmuls alone", lambda g, v: g * v, w16)):
       parts[name] = (
@@ -160,6 +162,11 @@ def main(argv):
     times = {}
     for name, (f, params, x, useful, issued) in parts.items():
       fwd, bwd = fwd_and_bwd(f)
+      if name == "layer":
+        t0 = time.perf_counter()
+        bwd = bwd.lower(params, x).compile()
+        print(f"# {dispatch} cf {factor}: the layer's fwd+bwd compiled in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
       times[name] = (timed_ms(fwd, params, x, reps=_REPS.value),
                      timed_ms(bwd, params, x, reps=_REPS.value), useful, issued)
     lay = times["layer"][1]
