@@ -10,6 +10,8 @@ dispatch and capacity factor, each forward ("fwd") and forward + backward to the
 parameters and x ("fwd+bwd"):
   layer     the whole layer: router, top-k, down-projection, dispatch, experts, combine,
             latent norm, up-projection, shared experts;
+  layer, experts cast once   the layer as a train step with train.cast_params_once runs
+            it: the routed expert matrices come in bf16 (cast once per step, outside);
   experts   the three expert matmuls alone on the layer's own buffer shape
             ([E, rows, C, L] for "capacity", sorted rows for "dropless");
   experts, bf16 weights   the same on weights already in bf16: without the per-call
@@ -41,6 +43,7 @@ from flax import nnx
 
 from k3jax import cli
 from k3jax import config as k3config
+from k3jax import steps
 from k3jax.model import latent_moe, moe_dispatch
 from k3jax.model.situ_glu import glu_activation
 
@@ -99,7 +102,13 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
   per_pair = 3 * 2 * lat * hid  # expert FLOPs of one (token, slot) pair, forward
   useful = n * k * per_pair
   dense = n * (2 * d * n_exp + 2 * d * lat + 2 * lat * d + e.num_shared * 3 * 2 * d * e.shared_dim)
-  parts = {"layer": (run_layer, state, x, useful + dense, useful + dense)}
+  # train.cast_params_once: the step hands the layer its expert matrices already in bf16
+  pure = nnx.as_pure(state)
+  cast_once = jax.tree.map(lambda p, dt: p.astype(dt) if dt else p, pure,
+                           steps.compute_dtypes(state))
+  parts = {"layer": (run_layer, state, x, useful + dense, useful + dense),
+           "layer, experts cast once": (run_layer, cast_once, x, useful + dense,
+                                        useful + dense)}
 
   w16 = {name: a.astype(dtype) for name, a in w.items()}
   if e.dispatch == "dropless":

@@ -133,6 +133,10 @@ def base_config() -> ml_collections.ConfigDict:
   t.global_batch = 1_024
   t.microbatches = 1     # gradient accumulation: the global batch as this many sequential
                          # slices per step; the same update in a slice's activation memory
+  t.cast_params_once = False  # True: the parameters that name a compute dtype (LatentMoE's
+                         # routed expert matrices) are cast to it once per step, before the
+                         # microbatches, not in every microbatch's forward and recompute; the
+                         # same gradients, for a copy of them in the compute dtype
   t.loss_chunk = 0       # > 0: the LM head + loss over this many positions at a time (under
                          # remat: no [T, vocab] logits); must divide seq_len. 0: all at once
   # XLA compiler options of the train and eval steps, "name=value" items split by commas or

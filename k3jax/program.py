@@ -30,7 +30,7 @@ from k3jax import optim, parallel
 from k3jax.config import ConfigError, xla_options
 from k3jax.data import MediaSpec, feature_shapes
 from k3jax.model import K3Model, axes
-from k3jax.steps import make_steps
+from k3jax.steps import compute_dtypes, make_steps
 
 
 def batch_shapes(cfg) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -115,8 +115,10 @@ def build(cfg, mesh: Mesh) -> Program:
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       jax.eval_shape(init), state_sh)
-  train_step, eval_step = make_steps(graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau,
-                                     microbatches=t.microbatches, loss_chunk=t.loss_chunk)
+  train_step, eval_step = make_steps(
+      graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau, microbatches=t.microbatches,
+      loss_chunk=t.loss_chunk,
+      cast_dtypes=compute_dtypes(abs_params) if t.cast_params_once else None)
   options = compiler_options(t.xla_options, mesh)
   return Program(
       cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
@@ -127,14 +129,19 @@ def build(cfg, mesh: Mesh) -> Program:
       eval_step=jax.jit(eval_step, compiler_options=options))
 
 
-def compiler_options(spec: str, mesh: Mesh) -> dict[str, str] | None:
+def compiler_options(spec: str, mesh: Mesh) -> dict[str, str | bool] | None:
   """The options of config.train.xla_options that apply on `mesh`'s platform, checked by
   compiling a scalar program on the mesh with them: ConfigError naming an option that
-  platform's XLA does not know (before the real compile, which can take an hour)."""
+  platform's XLA does not know (before the real compile, which can take an hour).
+
+  On CPU and GPU, "true" / "false" (any case) become bools: XLA's own options there refuse
+  those strings; TPU compiler flags take them as they are."""
   platform = mesh.devices.flat[0].platform
   options = xla_options(spec, platform)
   if not options:
     return None
+  if platform != "tpu":
+    options = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in options.items()}
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
   try:
     jax.jit(lambda x: x + 1, compiler_options=options).lower(scalar).compile()

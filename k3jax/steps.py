@@ -11,6 +11,8 @@ placeholder tokens (`K3Model.embed_with_images`); "weights" already hold 0 there
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -85,8 +87,16 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
   return jax.tree.map(split, batch)
 
 
+def compute_dtypes(abstract_params) -> Any:
+  """Per leaf of the pure parameter state, the name of the `compute_dtype` its metadata
+  names, or "" (`k3jax.model.layers.param`). abstract_params: `nnx.state(model,
+  nnx.Param)`, arrays or abstract: only metadata is read."""
+  return jax.tree.map(lambda v: v.get_metadata().get("compute_dtype", ""), abstract_params,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
-               microbatches: int = 1, loss_chunk: int = 0):
+               microbatches: int = 1, loss_chunk: int = 0, cast_dtypes: Any = None):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
 
   With microbatches > 1 the batch runs as that many sequential slices (`jax.lax.scan`)
@@ -101,6 +111,11 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
 
   loss_chunk > 0: the LM head and the loss run that many positions at a time
   (`chunked_cross_entropy`); the same loss and gradients without the whole logits.
+
+  cast_dtypes: `compute_dtypes` of the parameters (`train.cast_params_once`), or None. The
+  leaves it names are cast once per step, before the microbatches, instead of in every
+  forward (and remat recompute) of the model; each microbatch's gradient of the cast copy is
+  what the model's own cast would pass back, so the step's gradients are the same.
   """
   def loss_fn(params, rest, batch, denominator=None):
     model = nnx.merge(graphdef, params, rest)
@@ -113,14 +128,21 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   def loss_and_grads(params, rest, batch):
     """(loss, aux, grads) of the whole batch, one microbatch at a time."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    computed = params
+    if cast_dtypes is not None:
+      computed = jax.tree.map(lambda p, dt: p.astype(dt) if dt else p, params, cast_dtypes)
+
+    def in_param_dtypes(grads):  # a cast's transpose: what the model's own cast would pass
+      return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
     if microbatches == 1:
-      (loss, aux), grads = grad_fn(params, rest, batch)
-      return loss, aux, grads
+      (loss, aux), grads = grad_fn(computed, rest, batch)
+      return loss, aux, in_param_dtypes(grads)
     denominator = _token_count(batch["weights"])
 
     def accumulate(grads, mb):
-      (loss, aux), mb_grads = grad_fn(params, rest, mb, denominator)
-      return jax.tree.map(jnp.add, grads, mb_grads), (loss, aux)
+      (loss, aux), mb_grads = grad_fn(computed, rest, mb, denominator)
+      return jax.tree.map(jnp.add, grads, in_param_dtypes(mb_grads)), (loss, aux)
 
     grads, (losses, auxes) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params),
                                           split_microbatches(batch, microbatches))

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from conftest import set_field
@@ -103,3 +104,12 @@ def test_xla_options_apply_on_their_platform():
   assert k3config.xla_options(spec, "gpu") == {"xla_gpu_b": "2", "xla_dump_to": "/tmp/x"}
   assert k3config.xla_options(spec, "cpu") == {"xla_dump_to": "/tmp/x"}
   assert k3config.xla_options("", "tpu") == {}
+
+
+def test_xla_bool_options_reach_the_cpu_compiler():
+  """XLA's CPU / GPU options refuse "false" as a bool; the program passes it as one."""
+  from k3jax import program  # noqa: PLC0415
+  mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("data",))
+  assert program.compiler_options("xla_allow_excess_precision=false xla_cpu_enable_fast_math"
+                                  "=TRUE", mesh) == {"xla_allow_excess_precision": False,
+                                                     "xla_cpu_enable_fast_math": True}

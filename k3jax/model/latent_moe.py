@@ -99,7 +99,8 @@ class LatentMoE(nnx.Module):
                         param_dtype=jnp.float32, muon="router")
     self.bias = qb.BalanceBias(jnp.zeros((n_exp,), jnp.float32), out_sharding=("experts",),
                                eager_sharding=False)
-    expert_matrix = dict(muon="matrix", muon_roles=("expert", "in", "out"))
+    # each used once per forward, cast to the compute dtype (the dispatches' experts fns)
+    expert_matrix = dict(muon="matrix", muon_roles=("expert", "in", "out"), compute_dtype=dtype)
     self.w_down = Dense(d, lat, ("embed", "latent"), rngs=rngs, dtype=dtype, param_dtype=pdt)
     self.w_g = param(rngs, normal(lat ** -0.5), (n_exp, lat, hid), ("experts", "latent", "mlp"),
                      pdt, **expert_matrix)

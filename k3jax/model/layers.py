@@ -12,6 +12,10 @@ optimizer reads instead of matching names:
               output axis that per-head Muon splits into one block per head).
 Axes a `nnx.vmap` stacks on later (logical name "layers") carry no role: each layer is
 its own block.
+
+A parameter may also name its `compute_dtype`: every use casts it to that dtype first, once
+per forward, and its gradient reaches it only through that cast. The train step may then
+cast it once per step instead (`train.cast_params_once`) and get the same gradients.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ MUON_ROLES = ("in", "out", "expert", "head")
 
 def param(rngs: nnx.Rngs | None, init: Initializer, shape: Sequence[int], axes: AxisNames,
           dtype=jnp.float32, *, muon: str | None = None,
-          muon_roles: Sequence[str] | None = None) -> nnx.Param:
+          muon_roles: Sequence[str] | None = None, compute_dtype=None) -> nnx.Param:
   """An `nnx.Param` of `shape` whose logical axis names are `axes`.
 
   muon / muon_roles: the optimizer metadata of the module docstring (both or neither).
+  compute_dtype: the dtype every use casts it to (module docstring); None where it differs
+  from dtype nowhere or not always.
   """
   if len(axes) != len(shape):
     raise ValueError(f"param: axes {axes} do not match shape {tuple(shape)}")
@@ -50,6 +56,8 @@ def param(rngs: nnx.Rngs | None, init: Initializer, shape: Sequence[int], axes: 
     if "in" not in roles or "out" not in roles:
       raise ValueError(f"param: a Muon matrix needs 'in' and 'out' axes, got {roles}")
     meta = dict(muon=muon, muon_roles=roles)
+  if compute_dtype is not None and jnp.dtype(compute_dtype) != jnp.dtype(dtype):
+    meta["compute_dtype"] = jnp.dtype(compute_dtype).name
   key = rngs.params() if rngs is not None else jax.random.key(0)
   return nnx.Param(init(key, tuple(shape), dtype), out_sharding=tuple(axes),
                    eager_sharding=False, **meta)
