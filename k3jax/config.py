@@ -87,9 +87,9 @@ def base_config() -> ml_collections.ConfigDict:
                              # all-to-all over mesh.expert; TPU / GPU only)
                              # or "auto": expert_parallel_dropless on TPU (ragged_dot lowers
                              # to grouped-matmul kernels) and on GPU where the Mosaic GPU
-                             # grouped matmuls take the experts' shapes, capacity elsewhere
-                             # (CPU; XLA's ragged_dot is ~60x below the matmul rate on H200);
-                             # see k3jax.model.moe_dispatch.resolve_dispatch
+                             # grouped matmuls take the experts' shapes and mesh.expert is 1,
+                             # capacity elsewhere (CPU; XLA's ragged_dot is ~60x below the
+                             # matmul rate on H200); see moe_dispatch.resolve_dispatch
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
   # The dropless dispatches' grouped matmuls (pallas_kernels.grouped_matmul): "auto" (the
   # Mosaic GPU kernel on GPU, ragged_dot elsewhere), "reference" (ragged_dot), "kernel"

@@ -336,8 +336,9 @@ def test_dropless_dispatch_is_gathers_both_ways():
 
 def test_auto_dispatch_per_platform():
   """moe.dispatch="auto": the dropless dispatch per device on TPU, and on GPU where the
-  grouped-matmul kernel takes the experts' shapes (k3_small's, bf16); capacity on CPU and on
-  GPU where it does not (k3_tiny's, or fp32 compute, or gmm_backend="reference")."""
+  grouped-matmul kernel takes the experts' shapes (k3_small's, bf16) and no mesh axis
+  splits the experts; capacity on CPU and on GPU otherwise (k3_tiny's shapes, fp32
+  compute, gmm_backend="reference", experts over several GPUs)."""
   from k3jax.model.moe_dispatch import grouped_kernel_fits, resolve_dispatch  # noqa: PLC0415
   small = dict(rows=4096 * 8, latent=1024, hidden=768, num_experts=64)
   assert grouped_kernel_fits(**small, dtype=jnp.bfloat16)
@@ -349,5 +350,15 @@ def test_auto_dispatch_per_platform():
   assert resolve_dispatch("auto", "tpu") == "expert_parallel_dropless"
   assert resolve_dispatch("auto", "gpu", grouped_kernel=True) == "expert_parallel_dropless"
   assert resolve_dispatch("auto", "gpu", grouped_kernel=False) == "capacity"
+  # experts split over GPUs: no ragged all-to-all (XLA's GPU one is unproven here)
+  assert resolve_dispatch("auto", "gpu", grouped_kernel=True, experts_split=True) == "capacity"
+  assert resolve_dispatch("auto", "tpu", experts_split=True) == "expert_parallel_dropless"
+  from k3jax.model.latent_moe import _experts_split  # noqa: PLC0415
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "expert"))
+  with use_rules(mesh, [("batch", "data"), ("experts", "expert")]):
+    assert _experts_split(mesh)
+  with use_rules(mesh, [("batch", ("data", "expert")), ("experts", None)]):
+    assert not _experts_split(mesh)
+  assert not _experts_split(None)
   assert resolve_dispatch("auto", "cpu", grouped_kernel=True) == "capacity"
   assert resolve_dispatch("capacity", "tpu") == "capacity"

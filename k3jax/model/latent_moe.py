@@ -20,7 +20,8 @@ A dispatch maps z and the routing to u, chosen by `moe.dispatch` (`moe_dispatch.
   "expert_parallel_dropless": "dropless" the same way, the sorted rows exchanged with
       ragged all-to-alls (TPU and GPU only); per data-parallel device when mesh.expert is 1;
   "auto": "expert_parallel_dropless" when the program is compiled for TPU, or for GPU
-      where the experts' shapes fit the grouped-matmul kernel; else "capacity"
+      where the experts' shapes fit the grouped-matmul kernel and no device axis splits
+      the experts; else "capacity"
       (`moe_dispatch.resolve_dispatch`; the platform of the mesh installed by
       `axes.use_rules`, else JAX's default backend: a compile-only TPU mesh on a CPU host,
       as in `k3jax.aot`, gets the TPU choice).
@@ -64,6 +65,15 @@ def route_per_device(scores: jax.Array, bias: jax.Array, k: int):
   rows = PartitionSpec(axes.logical_to_spec(("batch",))[0])
   return jax.shard_map(functools.partial(qb.route, k=k), mesh=mesh,
                        in_specs=(rows, PartitionSpec()), out_specs=rows)(scores, bias)
+
+
+def _experts_split(mesh) -> bool:
+  """Whether the rules of `axes.use_rules` split the experts over devices of `mesh`."""
+  if mesh is None:
+    return False
+  names = axes.logical_to_spec(("experts",))[0]
+  names = (names,) if isinstance(names, str) else tuple(names or ())
+  return math.prod(mesh.shape[name] for name in names) > 1
 
 
 class LatentMoE(nnx.Module):
@@ -136,7 +146,7 @@ class LatentMoE(nnx.Module):
     # devices hold whole rows: where one row's t * k pairs fit the kernel, any device's do
     fits = grouped_kernel_fits(t * k, z.shape[-1], self.w_g.shape[-1], n_exp, self.dtype,
                                self.gmm_backend)
-    dispatch = resolve_dispatch(self.dispatch, platform, fits)
+    dispatch = resolve_dispatch(self.dispatch, platform, fits, _experts_split(mesh))
     if dispatch == "dropless":
       experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype,
                                    self.gmm_backend, platform)

@@ -18,8 +18,11 @@ tests/test_aot.py compiles the layer for v5p), in its per-device form
 unpartitioned: every data-parallel device computes every token's experts); the same on GPU
 where the Mosaic GPU grouped matmuls take the experts' shapes (`grouped_kernel_fits`:
 k3_small's train step 2383 ms against 2529 with capacity at factor 2.0, results/
-train_step.md); "capacity" on CPU, where `ragged_dot` runs every expert densely, and on GPU
-where the kernel's tiles do not fit (XLA's `ragged_dot` there is ~60x below the matmul rate).
+train_step.md) and every device holds all experts; "capacity" on CPU, where `ragged_dot`
+runs every expert densely, and on GPU where the kernel's tiles do not fit (XLA's
+`ragged_dot` there is ~60x below the matmul rate) or the experts are split over devices:
+XLA's GPU ragged all-to-all is unmeasured here and has open problems in JAX 0.11
+(openxla/xla#33386: ~2% of NVLink bandwidth on one host; #47283: crashes above 32 ranks).
 """
 
 from __future__ import annotations
@@ -38,17 +41,20 @@ ExpertsFn = Callable[[jax.Array, jax.Array], jax.Array]
 BufferExpertsFn = Callable[[jax.Array], jax.Array]
 
 
-def resolve_dispatch(dispatch: str, platform: str, grouped_kernel: bool = False) -> str:
+def resolve_dispatch(dispatch: str, platform: str, grouped_kernel: bool = False,
+                     experts_split: bool = False) -> str:
   """`dispatch` (one of DISPATCHES) with "auto" made concrete for `platform`, what the
   program is compiled for ("tpu", "gpu"/"cuda", "cpu"): "expert_parallel_dropless" (the
   dropless dispatch per device) on TPU, and on GPU where the experts' grouped matmuls run
-  as the kernel (grouped_kernel: `grouped_kernel_fits`); "capacity" elsewhere. The other
-  names are returned as they are."""
+  as the kernel (grouped_kernel: `grouped_kernel_fits`) and each device holds every expert
+  (not experts_split: no ragged all-to-all); "capacity" elsewhere. The other names are
+  returned as they are."""
   if dispatch not in DISPATCHES:
     raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {dispatch!r}")
   if dispatch != "auto":
     return dispatch
-  if platform == "tpu" or (platform in ("gpu", "cuda") and grouped_kernel):
+  if platform == "tpu" or (platform in ("gpu", "cuda") and grouped_kernel
+                           and not experts_split):
     return "expert_parallel_dropless"
   return "capacity"
 
