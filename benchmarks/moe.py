@@ -111,10 +111,11 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
                                         useful + dense)}
 
   w16 = {name: a.astype(dtype) for name, a in w.items()}
+  variants = (("experts", act, w), ("experts, bf16 weights", act, w16),
+              ("matmuls alone", lambda g, v: g * v, w16))
   if e.dispatch == "dropless":
     sizes = jnp.full((n_exp,), n * k // n_exp, jnp.int32)
-    for name, glu, ws in (("experts", act, w), ("experts, bf16 weights", act, w16),
-                          ("matmuls alone", lambda g, v: g * v, w16)):
+    for name, glu, ws in variants:
       parts[name] = (
           lambda w, rows_, glu=glu: moe_dispatch.ragged_glu_experts(
               w["g"], w["u"], w["d"], glu, dtype)(rows_, sizes),
@@ -126,8 +127,7 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
     capacity = max(1, math.ceil(e.capacity_factor * seq * k / n_exp))
     buf = jax.random.normal(kz, (n_exp, rows, capacity, lat), dtype)
     issued = n_exp * rows * capacity * per_pair
-    for name, glu, ws in (("experts", act, w), ("experts, bf16 weights", act, w16),
-                          ("matmuls alone", lambda g, v: g * v, w16)):
+    for name, glu, ws in variants:
       parts[name] = (
           lambda w, b, glu=glu: moe_dispatch.batched_glu_experts(
               w["g"], w["u"], w["d"], glu, dtype)(b), ws, buf, useful, issued)

@@ -353,12 +353,12 @@ def test_auto_dispatch_per_platform():
   # experts split over GPUs: no ragged all-to-all (XLA's GPU one is unproven here)
   assert resolve_dispatch("auto", "gpu", grouped_kernel=True, experts_split=True) == "capacity"
   assert resolve_dispatch("auto", "tpu", experts_split=True) == "expert_parallel_dropless"
-  from k3jax.model.latent_moe import _experts_split  # noqa: PLC0415
+  from k3jax.model.expert_parallel import experts_split  # noqa: PLC0415
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "expert"))
   with use_rules(mesh, [("batch", "data"), ("experts", "expert")]):
-    assert _experts_split(mesh)
+    assert experts_split(mesh)
   with use_rules(mesh, [("batch", ("data", "expert")), ("experts", None)]):
-    assert not _experts_split(mesh)
-  assert not _experts_split(None)
+    assert not experts_split(mesh)
+  assert not experts_split(None)
   assert resolve_dispatch("auto", "cpu", grouped_kernel=True) == "capacity"
   assert resolve_dispatch("capacity", "tpu") == "capacity"

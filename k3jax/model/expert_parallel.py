@@ -40,6 +40,8 @@ receive buffer holds the worst case, ep * (its own pair count) rows. With one de
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -53,6 +55,15 @@ from k3jax.model.moe_dispatch import (batched_glu_experts, capacity_moe, droples
 def _mesh_axes(entry) -> tuple[str, ...]:
   """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
   return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def experts_split(mesh) -> bool:
+  """Whether the rules of `axes.use_rules` split the experts over devices of `mesh` (None:
+  no mesh, no split)."""
+  if mesh is None:
+    return False
+  ep = _mesh_axes(axes.logical_to_spec(("experts",))[0])
+  return math.prod(mesh.shape[name] for name in ep) > 1
 
 
 def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: jax.Array,

@@ -44,12 +44,14 @@ from jax.sharding import PartitionSpec
 from k3jax.model import axes
 from k3jax.model import quantile_balancing as qb
 from k3jax.model.axes import constrain
-from k3jax.model.expert_parallel import expert_parallel_dropless_moe, expert_parallel_moe
+from k3jax.model.expert_parallel import (expert_parallel_dropless_moe, expert_parallel_moe,
+                                         experts_split)
 from k3jax.model.layers import Dense, RMSNorm, normal, param
 from k3jax.model.moe_dispatch import (DISPATCHES, batched_glu_experts, capacity_moe,
                                       dropless_moe, grouped_kernel_fits, ragged_glu_experts,
                                       resolve_dispatch)
 from k3jax.model.situ_glu import GLUMLP, glu_activation
+from pallas_kernels.platform import target_platform
 
 
 def route_per_device(scores: jax.Array, bias: jax.Array, k: int):
@@ -65,15 +67,6 @@ def route_per_device(scores: jax.Array, bias: jax.Array, k: int):
   rows = PartitionSpec(axes.logical_to_spec(("batch",))[0])
   return jax.shard_map(functools.partial(qb.route, k=k), mesh=mesh,
                        in_specs=(rows, PartitionSpec()), out_specs=rows)(scores, bias)
-
-
-def _experts_split(mesh) -> bool:
-  """Whether the rules of `axes.use_rules` split the experts over devices of `mesh`."""
-  if mesh is None:
-    return False
-  names = axes.logical_to_spec(("experts",))[0]
-  names = (names,) if isinstance(names, str) else tuple(names or ())
-  return math.prod(mesh.shape[name] for name in names) > 1
 
 
 class LatentMoE(nnx.Module):
@@ -142,11 +135,11 @@ class LatentMoE(nnx.Module):
     flat_valid = valid.reshape(n)
     w = weights * self.routed_scaling
     mesh = axes.current_mesh()
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    platform = target_platform(mesh)
     # devices hold whole rows: where one row's t * k pairs fit the kernel, any device's do
     fits = grouped_kernel_fits(t * k, z.shape[-1], self.w_g.shape[-1], n_exp, self.dtype,
                                self.gmm_backend)
-    dispatch = resolve_dispatch(self.dispatch, platform, fits, _experts_split(mesh))
+    dispatch = resolve_dispatch(self.dispatch, platform, fits, experts_split(mesh))
     if dispatch == "dropless":
       experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype,
                                    self.gmm_backend, platform)

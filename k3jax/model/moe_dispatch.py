@@ -44,17 +44,16 @@ BufferExpertsFn = Callable[[jax.Array], jax.Array]
 def resolve_dispatch(dispatch: str, platform: str, grouped_kernel: bool = False,
                      experts_split: bool = False) -> str:
   """`dispatch` (one of DISPATCHES) with "auto" made concrete for `platform`, what the
-  program is compiled for ("tpu", "gpu"/"cuda", "cpu"): "expert_parallel_dropless" (the
-  dropless dispatch per device) on TPU, and on GPU where the experts' grouped matmuls run
-  as the kernel (grouped_kernel: `grouped_kernel_fits`) and each device holds every expert
-  (not experts_split: no ragged all-to-all); "capacity" elsewhere. The other names are
-  returned as they are."""
+  program is compiled for ("tpu", "gpu", "cpu": `pallas_kernels.platform.target_platform`):
+  "expert_parallel_dropless" (the dropless dispatch per device) on TPU, and on GPU where
+  the experts' grouped matmuls run as the kernel (grouped_kernel: `grouped_kernel_fits`)
+  and each device holds every expert (not experts_split: no ragged all-to-all); "capacity"
+  elsewhere. The other names are returned as they are."""
   if dispatch not in DISPATCHES:
     raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {dispatch!r}")
   if dispatch != "auto":
     return dispatch
-  if platform == "tpu" or (platform in ("gpu", "cuda") and grouped_kernel
-                           and not experts_split):
+  if platform == "tpu" or (platform == "gpu" and grouped_kernel and not experts_split):
     return "expert_parallel_dropless"
   return "capacity"
 

@@ -30,10 +30,13 @@ _PRODUCTS = {"reference": reference, "kernel": kernel}
 def resolve_backend(backend: str, platform: str, lhs=None, rhs=None) -> str:
   """The backend `backend` stands for on platform ("gpu", "tpu", "cpu"): "auto" is "kernel"
   on GPU where the operands (arrays or ShapeDtypeStructs, lhs [M, K], rhs [G, K, N]; both
-  or neither) fit its tiles, else "reference"; the others are returned unchanged."""
+  or neither) fit its tiles, else "reference"; the others are returned unchanged, "kernel"
+  after `kernel.check` of the operands (ValueError naming what does not fit)."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown grouped-matmul backend {backend!r}; choose one of {BACKENDS}")
   if backend != "auto":
+    if backend == "kernel" and lhs is not None:
+      kernel.check(lhs, rhs)
     return backend
   if platform != "gpu":
     return "reference"
@@ -59,8 +62,6 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if group_sizes.shape != rhs.shape[:1]:
     raise ValueError(f"group_sizes {group_sizes.shape} must be [G] for rhs {rhs.shape}")
   resolved = resolve_backend(backend, target_platform(None, platform), lhs, rhs)
-  if resolved == "kernel":
-    kernel.check(lhs, rhs)  # an explicit "kernel" names what does not fit
   return _gmm(resolved, lhs, rhs, group_sizes)
 
 
