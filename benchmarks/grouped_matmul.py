@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import time
 
@@ -90,13 +91,15 @@ def problem(seed, M, K, N, G, balanced):
   return lhs, rhs, jnp.asarray(sizes, jnp.int32), dout
 
 
-def compare(M, K, N, G, reps):
+def compare(M, K, N, G, reps, impls):
+  """Prints a row per implementation (those whose name's first word is in impls) on
+  balanced, then on random groups."""
   for balanced in (True, False):
     lhs, rhs, sizes, dout = problem(0, M, K, N, G, balanced)
     label = "balanced" if balanced else "random"
     results = {}
     for name, f in implementations(G).items():
-      if name == "capacity einsum" and not balanced:
+      if (name == "capacity einsum" and not balanced) or name.split()[0] not in impls:
         continue
       fwd, fb = fwd_and_bwd(f, dout)
       try:
@@ -123,8 +126,9 @@ def compare(M, K, N, G, reps):
             f"{rel_rms(out, exact):.2e} | {agree} | {compile_s:.1f} |", flush=True)
 
 
-def sweep(M, K, N, G, reps, products):
-  """Times of each product of the kernel over tile sizes (balanced groups)."""
+def sweep(M, K, N, G, reps, products, chosen_only=False):
+  """Times of each product of the kernel over tile sizes (balanced groups); chosen_only: at
+  `kernel.BLOCKS` alone (which product the fwd+bwd time goes to)."""
   lhs, rhs, sizes, dout = problem(0, M, K, N, G, True)
   dout16 = dout.astype(jnp.bfloat16)
   candidates = {
@@ -135,17 +139,29 @@ def sweep(M, K, N, G, reps, products):
                 (dout16, rhs, sizes)),
       "tgmm": (lambda b: jax.jit(lambda a, d, s: kernel.tgmm(a, d, s, blocks=b)),
                (lhs, dout16, sizes))}
+  # the same product as a batched einsum over balanced groups (the dense rate to reach)
+  dense = {"gmm": ("gck,gkn->gcn", lhs.reshape(G, -1, K), rhs),
+           "gmm^T": ("gcn,gkn->gck", dout16.reshape(G, -1, N), rhs),
+           "tgmm": ("gck,gcn->gkn", lhs.reshape(G, -1, K), dout16.reshape(G, -1, N))}
   flop = 2 * M * K * N
   for name in products:
+    if chosen_only:
+      spec, a, b = dense[name]
+      ms = time_jax(jax.jit(functools.partial(jnp.einsum, spec)), (a, b), reps)
+      print(f"  {name} as a batched einsum: {ms:.3f} ms, {flop / ms / 1e9:.0f} TFLOP/s",
+            flush=True)
     make, args = candidates[name]
     best = None
-    for bm, bn, steps, gbn in itertools.product((64, 128, 192), (64, 128, 256), (2, 4, 6), (1, 4)):
-      blocks = kernel.Blocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
-                             grid_block_n=gbn)
+    tiles = [kernel.BLOCKS] if chosen_only else [
+        kernel.Blocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
+                      grid_block_n=gbn)
+        for bm, bn, steps, gbn in itertools.product((64, 128, 192), (64, 128, 256), (2, 4, 6),
+                                                    (1, 4))]
+    for blocks in tiles:
       try:
         ms = time_jax(make(blocks), args, reps)
       except Exception as e:  # noqa: BLE001 -- a tile the shapes or shared memory refuse
-        print(f"  {name} {blocks}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        print(f"  {name} {blocks}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}")
         continue
       print(f"  {name} {dataclasses.astuple(blocks)}: {ms:.3f} ms, "
             f"{flop / ms / 1e9:.0f} TFLOP/s", flush=True)
@@ -162,17 +178,21 @@ def main():
   p.add_argument("--n", type=int, default=768, help="N (k3_small: expert hidden 768)")
   p.add_argument("--groups", type=int, default=64)
   p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--impls", default="kernel,library,xla,capacity",
+                 help="implementations to compare, by the first word of their name")
   p.add_argument("--sweep", default="", help="products to sweep tiles of, from gmm,gmm^T,tgmm")
+  p.add_argument("--chosen_only", action="store_true",
+                 help="--sweep at kernel.BLOCKS alone: each product's time")
   a = p.parse_args()
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; M {a.rows}, K {a.k}, "
         f"N {a.n}, G {a.groups}, bf16", flush=True)
   if a.sweep:
-    sweep(a.rows, a.k, a.n, a.groups, a.reps, a.sweep.split(","))
+    sweep(a.rows, a.k, a.n, a.groups, a.reps, a.sweep.split(","), a.chosen_only)
     return
   print("| groups | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | of 669 | "
         "out vs exact | vs ragged_dot | fwd+bwd compile s |")
   print("|---|---|---|---|---|---|---|---|---|---|")
-  compare(a.rows, a.k, a.n, a.groups, a.reps)
+  compare(a.rows, a.k, a.n, a.groups, a.reps, a.impls.split(","))
 
 
 if __name__ == "__main__":

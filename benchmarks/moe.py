@@ -77,6 +77,15 @@ def fwd_and_bwd(f):
   return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1)))
 
 
+def dropless(dispatch: str) -> bool:
+  """Whether `dispatch` runs the experts on rows sorted by expert (the parts below follow
+  it); "auto" is refused, its choice depends on the platform and the shapes."""
+  if dispatch == "auto":
+    raise ValueError("benchmarks/moe.py times named dispatches: pass --dispatches=dropless,"
+                     "capacity (or another of moe_dispatch.DISPATCHES), not auto")
+  return dispatch in ("dropless", "expert_parallel_dropless")
+
+
 def layer_parts(cfg_model, rows: int, seq: int, key):
   """The layer and its separately timed parts: name -> (f(params, x), params, x, useful
   forward FLOPs, issued forward FLOPs); 0 FLOPs where no rate is meaningful."""
@@ -113,7 +122,7 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
   w16 = {name: a.astype(dtype) for name, a in w.items()}
   variants = (("experts", act, w), ("experts, bf16 weights", act, w16),
               ("matmuls alone", lambda g, v: g * v, w16))
-  if e.dispatch == "dropless":
+  if dropless(e.dispatch):
     sizes = jnp.full((n_exp,), n * k // n_exp, jnp.int32)
     for name, glu, ws in variants:
       parts[name] = (
@@ -156,7 +165,7 @@ def main(argv):
            "(useful / issued) | of 669 (issued) | share of layer fwd+bwd |",
            "|---|---|---|---|---|---|---|---|"]
   runs = [(d, float(f)) for d in _DISPATCHES.value
-          for f in (_FACTORS.value if d != "dropless" else ["0"])]
+          for f in (_FACTORS.value if not dropless(d) else ["0"])]
   for dispatch, factor in runs:
     cfg = base.copy_and_resolve_references()
     with cfg.unlocked():

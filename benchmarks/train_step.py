@@ -5,6 +5,10 @@
   python benchmarks/train_step.py --config=experiments/k3_small.py --devices=2 \
       --config.mesh.expert=2 --config.model.moe.dispatch=expert_parallel --variants= \
       --nons_blocks
+  # two configs on one GPU: compiled at once (minutes each), timed one after the other
+  for v in false true; do XLA_PYTHON_CLIENT_PREALLOCATE=false python \
+      benchmarks/train_step.py --config=experiments/k3_small.py --variants= --nons_blocks \
+      --sharers=2 --share_dir=/tmp/share.$$ --config.train.cast_params_once=$v & done; wait
 
 Issue 3 asks that the optimizer step (update + QK-Clip + apply) stays under 5% of the
 train step (forward, backward, optimizer, Quantile Balancing). The train step is compiled
@@ -19,8 +23,11 @@ different meshes be compared. Prints a markdown table.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import functools
 import math
+import os
+import pathlib
 import time
 
 import jax
@@ -42,6 +49,11 @@ _REPS = flags.DEFINE_integer("reps", 10, "timed repetitions (after 2 warm-up run
 _DEVICES = flags.DEFINE_integer("devices", 1, "devices of the train step's mesh (config.mesh "
                                 "says how they split, e.g. --config.mesh.expert=2)")
 _NS_BLOCKS = flags.DEFINE_bool("ns_blocks", True, "time Newton-Schulz alone per block shape")
+_SHARERS = flags.DEFINE_integer(
+    "sharers", 1, "processes sharing the GPU (with XLA_PYTHON_CLIENT_PREALLOCATE=false): "
+    "each compiles its train step, waits for all to have compiled, then times it alone and "
+    "exits, the others waiting; train step only (--variants= --nons_blocks)")
+_SHARE_DIR = flags.DEFINE_string("share_dir", None, "a new directory where --sharers meet")
 _TRAIN_STEP = flags.DEFINE_bool("train_step", True, "also compile and time the train step "
                                 "(minutes of compile for k3_small)")
 
@@ -114,8 +126,28 @@ def ns_blocks(cfg, abs_params):
   print(f"| all | {total * 1e3:.2f} ms |", flush=True)
 
 
+def wait_for_sharers():
+  """With --sharers N: marks this process compiled, waits until N are, then takes the GPU's
+  timing lock, held until the process exits (so its memory is freed before the next one
+  times)."""
+  if _SHARERS.value == 1:
+    return
+  share = pathlib.Path(_SHARE_DIR.value)
+  share.mkdir(parents=True, exist_ok=True)
+  (share / f"compiled.{os.getpid()}").touch()
+  while len(list(share.glob("compiled.*"))) < _SHARERS.value:
+    time.sleep(1.0)
+  lock = open(share / "lock", "w")  # noqa: SIM115 (held to the end of the process)
+  fcntl.flock(lock, fcntl.LOCK_EX)
+  wait_for_sharers.lock = lock
+
+
 def main(argv):
   del argv
+  if _SHARERS.value > 1 and (_VARIANTS.value or _NS_BLOCKS.value):
+    raise app.UsageError("--sharers times the train step only: add --variants= --nons_blocks")
+  if _SHARERS.value > 1 and not _SHARE_DIR.value:
+    raise app.UsageError("--sharers needs --share_dir: a new directory, the same for all")
   cfg = k3config.validate(cli.CONFIG.value)
   t = cfg.train
   dev = jax.devices()[0]
@@ -154,7 +186,8 @@ def main(argv):
 
   print(f"# optimizer: {optim.describe(cfg, abs_params)}", flush=True)
   del params
-  print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}", flush=True)
+  print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}, "
+        f"cast_params_once {t.cast_params_once}", flush=True)
   batch = jax.device_put(batch, prog.batch_sharding)
   with prog.rules():
     state = prog.init()
@@ -163,6 +196,7 @@ def main(argv):
     print(f"# train step compiled in {time.perf_counter() - t0:.0f} s "
           f"({t.microbatches} microbatches of {t.global_batch // t.microbatches} rows)",
           flush=True)
+    wait_for_sharers()
     times, losses = [], []
     for i in range(2 + _REPS.value):
       t0 = time.perf_counter()
