@@ -54,6 +54,8 @@ _SHARERS = flags.DEFINE_integer(
     "each compiles its train step, waits for all to have compiled, then times it alone and "
     "exits, the others waiting; train step only (--variants= --nons_blocks)")
 _SHARE_DIR = flags.DEFINE_string("share_dir", None, "a new directory where --sharers meet")
+_SHARE_WAIT = flags.DEFINE_float("share_wait", 1800.0, "seconds a sharer waits for the others "
+                                 "to compile (one refused at its flags leaves no mark)")
 _TRAIN_STEP = flags.DEFINE_bool("train_step", True, "also compile and time the train step "
                                 "(minutes of compile for k3_small)")
 
@@ -135,7 +137,14 @@ def wait_for_sharers():
   share = pathlib.Path(_SHARE_DIR.value)
   share.mkdir(parents=True, exist_ok=True)
   (share / f"compiled.{os.getpid()}").touch()
-  while len(list(share.glob("compiled.*"))) < _SHARERS.value:
+  deadline = time.monotonic() + _SHARE_WAIT.value
+  while (done := len(list(share.glob("compiled.*")))) < _SHARERS.value:
+    if failed := list(share.glob("failed.*")):
+      raise RuntimeError(f"a sharer stopped before compiling ({failed[0].name}; its log "
+                         "says why): not waiting for it")
+    if time.monotonic() > deadline:
+      raise RuntimeError(f"{done} of --sharers={_SHARERS.value} compiled within "
+                         f"--share_wait={_SHARE_WAIT.value:.0f} s in {share}")
     time.sleep(1.0)
   lock = open(share / "lock", "w")  # noqa: SIM115 (held to the end of the process)
   fcntl.flock(lock, fcntl.LOCK_EX)
@@ -225,5 +234,17 @@ def main(argv):
     print(f"| {variant} | {secs * 1e3:.2f} ms | {secs / step_time:.1%} |", flush=True)
 
 
+def main_or_mark_failed(argv):
+  """main; with --sharers, a failure leaves a mark so the other sharers stop waiting."""
+  try:
+    main(argv)
+  except BaseException:
+    if _SHARERS.value > 1 and _SHARE_DIR.value:
+      share = pathlib.Path(_SHARE_DIR.value)
+      share.mkdir(parents=True, exist_ok=True)
+      (share / f"failed.{os.getpid()}").touch()
+    raise
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main_or_mark_failed)
