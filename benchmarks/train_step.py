@@ -128,15 +128,21 @@ def ns_blocks(cfg, abs_params):
   print(f"| all | {total * 1e3:.2f} ms |", flush=True)
 
 
+def mark_sharer(state: str) -> pathlib.Path:
+  """Leaves `state`.<pid> in --share_dir (made if new) for the other sharers; its path."""
+  share = pathlib.Path(_SHARE_DIR.value)
+  share.mkdir(parents=True, exist_ok=True)
+  (share / f"{state}.{os.getpid()}").touch()
+  return share
+
+
 def wait_for_sharers():
   """With --sharers N: marks this process compiled, waits until N are, then takes the GPU's
   timing lock, held until the process exits (so its memory is freed before the next one
   times)."""
   if _SHARERS.value == 1:
     return
-  share = pathlib.Path(_SHARE_DIR.value)
-  share.mkdir(parents=True, exist_ok=True)
-  (share / f"compiled.{os.getpid()}").touch()
+  share = mark_sharer("compiled")
   deadline = time.monotonic() + _SHARE_WAIT.value
   while (done := len(list(share.glob("compiled.*")))) < _SHARERS.value:
     if failed := list(share.glob("failed.*")):
@@ -240,9 +246,7 @@ def main_or_mark_failed(argv):
     main(argv)
   except BaseException:
     if _SHARERS.value > 1 and _SHARE_DIR.value:
-      share = pathlib.Path(_SHARE_DIR.value)
-      share.mkdir(parents=True, exist_ok=True)
-      (share / f"failed.{os.getpid()}").touch()
+      mark_sharer("failed")
     raise
 
 

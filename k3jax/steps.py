@@ -95,6 +95,11 @@ def compute_dtypes(abstract_params) -> Any:
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def cast_to_compute_dtypes(params, dtypes):
+  """params with each leaf that `dtypes` (`compute_dtypes`) names cast to that dtype."""
+  return jax.tree.map(lambda p, dt: p.astype(dt) if dt else p, params, dtypes)
+
+
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
                microbatches: int = 1, loss_chunk: int = 0, cast_dtypes: Any = None):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
@@ -130,7 +135,7 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     computed = params
     if cast_dtypes is not None:
-      computed = jax.tree.map(lambda p, dt: p.astype(dt) if dt else p, params, cast_dtypes)
+      computed = cast_to_compute_dtypes(params, cast_dtypes)
 
     def in_param_dtypes(grads):  # a cast's transpose: what the model's own cast would pass
       return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
