@@ -6,12 +6,13 @@ capacity layout's batched einsum (the dense rate of the same rows), at a MoE's s
     python benchmarks/grouped_matmul.py --rows 65536 --k 1024 --n 768 --groups 64
 
 One product [M, K] x [G, K, N] (rows sorted by group, bf16), forward and forward+backward
-(dlhs and the weight gradient: two more grouped products), on balanced groups (M / G rows
-each, as the capacity layout's buffers at factor 1.0) and on random ones (each row's group
-drawn uniformly). Each row: median times and TFLOP/s (2 M K N a product; fwd+bwd 3x) against
-ANCHORS.md's 669 TFLOP/s batched-einsum ceiling; the forward's relative RMS error against
-the exact product (float64 on the host); agreement with `ragged_dot` (relative RMS of out,
-dlhs, drhs). `--sweep`: each product of the kernel over tile sizes (balanced groups).
+(the VJP of a bf16 cotangent: dlhs and the weight gradient, two more grouped products), on
+balanced groups (M / G rows each, as the capacity layout's buffers at factor 1.0) and on
+random ones (each row's group drawn uniformly). Each row: median times and TFLOP/s (2 M K N
+a product; fwd+bwd 3x) against ANCHORS.md's 669 TFLOP/s batched-einsum ceiling; the
+forward's relative RMS error against the exact product (float64 on the host); agreement with
+`ragged_dot` (relative RMS of out, dlhs, drhs). `--sweep`: each product of the kernel over
+tile sizes (balanced groups).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kda import rel_rms, time_jax
-from pallas_kernels.grouped_matmul import grouped_matmul, kernel
+from pallas_kernels.grouped_matmul import grouped_matmul, kernel, kernel_ws
 
 CEILING_TFLOPS = 669.0  # ANCHORS.md: batched einsum [E, C, K] x [E, K, N], fwd+bwd, H200
 
@@ -57,6 +58,8 @@ def implementations(G):
     out = jnp.einsum("gck,gkn->gcn", lhs.reshape(G, -1, lhs.shape[1]), rhs)
     return out.reshape(lhs.shape[0], -1)
   return {"kernel": lambda a, b, s: grouped_matmul(a, b, s, backend="kernel"),
+          "kernel warp-specialized": lambda a, b, s: grouped_matmul(a, b, s,
+                                                                    backend="kernel_ws"),
           "library ragged_dot_mgpu": library,
           "xla ragged_dot": lambda a, b, s: grouped_matmul(a, b, s, backend="reference"),
           "capacity einsum": capacity}
@@ -73,10 +76,13 @@ def exact_product(lhs, rhs, sizes):
   return exact
 
 
-def fwd_and_bwd(f, dout):
-  def loss(lhs, rhs, sizes):
-    return jnp.sum(f(lhs, rhs, sizes).astype(jnp.float32) * dout)
-  return jax.jit(f), jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+def fwd_and_bwd(f):
+  """The jitted forward, and forward + backward fb(lhs, rhs, sizes, dout): the VJP of the
+  cotangent dout, in the output's dtype as a layer's backward receives it, to lhs and rhs."""
+  def fb(lhs, rhs, sizes, dout):
+    out, pull = jax.vjp(lambda a, b: f(a, b, sizes), lhs, rhs)
+    return out, pull(dout)
+  return jax.jit(f), jax.jit(fb)
 
 
 def problem(seed, M, K, N, G, balanced):
@@ -87,7 +93,7 @@ def problem(seed, M, K, N, G, balanced):
     sizes = np.bincount(rng.integers(0, G, M), minlength=G)
   lhs = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
   rhs = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.bfloat16)
-  dout = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+  dout = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
   return lhs, rhs, jnp.asarray(sizes, jnp.int32), dout
 
 
@@ -101,15 +107,15 @@ def compare(M, K, N, G, reps, impls):
     for name, f in implementations(G).items():
       if (name == "capacity einsum" and not balanced) or name.split()[0] not in impls:
         continue
-      fwd, fb = fwd_and_bwd(f, dout)
+      fwd, fb = fwd_and_bwd(f)
       try:
         t0 = time.perf_counter()
-        fb = fb.lower(lhs, rhs, sizes).compile()
+        fb = fb.lower(lhs, rhs, sizes, dout).compile()
         compile_s = time.perf_counter() - t0
         out = fwd(lhs, rhs, sizes)
-        _, grads = fb(lhs, rhs, sizes)
+        _, grads = fb(lhs, rhs, sizes, dout)
         results[name] = (out, *grads, time_jax(fwd, (lhs, rhs, sizes), reps),
-                         time_jax(fb, (lhs, rhs, sizes), reps), compile_s)
+                         time_jax(fb, (lhs, rhs, sizes, dout), reps), compile_s)
       except Exception as e:  # noqa: BLE001 -- report and go on with the others
         print(f"{label} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     ref = results.get("xla ragged_dot")
@@ -130,38 +136,58 @@ def sweep(M, K, N, G, reps, products, chosen_only=False):
   """Times of each product of the kernel over tile sizes (balanced groups); chosen_only: at
   `kernel.BLOCKS` alone (which product the fwd+bwd time goes to)."""
   lhs, rhs, sizes, dout = problem(0, M, K, N, G, True)
-  dout16 = dout.astype(jnp.bfloat16)
   candidates = {
       "gmm": (lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, blocks=b)),
               (lhs, rhs, sizes)),
       "gmm^T": (lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, transpose_rhs=True,
                                                              blocks=b)),
-                (dout16, rhs, sizes)),
+                (dout, rhs, sizes)),
       "tgmm": (lambda b: jax.jit(lambda a, d, s: kernel.tgmm(a, d, s, blocks=b)),
-               (lhs, dout16, sizes))}
+               (lhs, dout, sizes)),
+      "gmm_ws": (lambda b: jax.jit(lambda a, w, s: kernel_ws.gmm_ws(a, w, s, blocks=b)),
+                 (lhs, rhs, sizes)),
+      "gmm_ws^T": (lambda b: jax.jit(lambda a, w, s: kernel_ws.gmm_ws(a, w, s, True, blocks=b)),
+                   (dout, rhs, sizes)),
+      "tgmm_ws": (lambda b: jax.jit(lambda a, d, s: kernel_ws.tgmm_ws(a, d, s, blocks=b)),
+                  (lhs, dout, sizes)),
+      # the same two with the transposed operand made by XLA first (timed with it), not
+      # read through a transposed view in the kernel
+      "gmm_ws^T_xla": (lambda b: jax.jit(lambda a, w, s: kernel_ws.gmm_ws(
+          a, jnp.swapaxes(w, 1, 2), s, blocks=b)), (dout, rhs, sizes)),
+      "tgmm_ws_xla": (lambda b: jax.jit(lambda a, d, s: kernel_ws.tgmm_ws(
+          a.T, d, s, blocks=b, lhs_transposed=True)), (lhs, dout, sizes))}
   # the same product as a batched einsum over balanced groups (the dense rate to reach)
   dense = {"gmm": ("gck,gkn->gcn", lhs.reshape(G, -1, K), rhs),
-           "gmm^T": ("gcn,gkn->gck", dout16.reshape(G, -1, N), rhs),
-           "tgmm": ("gck,gcn->gkn", lhs.reshape(G, -1, K), dout16.reshape(G, -1, N))}
+           "gmm^T": ("gcn,gkn->gck", dout.reshape(G, -1, N), rhs),
+           "tgmm": ("gck,gcn->gkn", lhs.reshape(G, -1, K), dout.reshape(G, -1, N))}
   flop = 2 * M * K * N
   for name in products:
     if chosen_only:
-      spec, a, b = dense[name]
+      spec, a, b = dense[name.replace("_ws", "").replace("_xla", "")]
       ms = time_jax(jax.jit(functools.partial(jnp.einsum, spec)), (a, b), reps)
       print(f"  {name} as a batched einsum: {ms:.3f} ms, {flop / ms / 1e9:.0f} TFLOP/s",
             flush=True)
     make, args = candidates[name]
     best = None
-    tiles = [kernel.BLOCKS] if chosen_only else [
-        kernel.Blocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
-                      grid_block_n=gbn)
-        for bm, bn, steps, gbn in itertools.product((64, 128, 192), (64, 128, 256), (2, 4, 6),
-                                                    (1, 4))]
+    if "_ws" in name:  # block_n is each compute warpgroup's, a CTA's tile 2 block_n wide
+      tiles = [kernel_ws.WS_BLOCKS] if chosen_only else [
+          kernel_ws.WSBlocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
+                          grid_block_n=gbn, epi_n=epi, chain=chain)
+          for bm, bn, steps, gbn, epi, chain in itertools.product(
+              (64, 128), (128, 192), (2, 3, 4), (4,), (64,), (True, False))
+          if bn % epi == 0 and (chain or not name.startswith("tgmm"))]
+    else:
+      tiles = [kernel.BLOCKS] if chosen_only else [
+          kernel.Blocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
+                        grid_block_n=gbn)
+          for bm, bn, steps, gbn in itertools.product((64, 128, 192), (64, 128, 256),
+                                                      (2, 4, 6), (1, 4))]
     for blocks in tiles:
       try:
         ms = time_jax(make(blocks), args, reps)
       except Exception as e:  # noqa: BLE001 -- a tile the shapes or shared memory refuse
-        print(f"  {name} {blocks}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}")
+        first_line = (str(e).splitlines() or [""])[0]
+        print(f"  {name} {blocks}: {type(e).__name__}: {first_line[:120]}")
         continue
       print(f"  {name} {dataclasses.astuple(blocks)}: {ms:.3f} ms, "
             f"{flop / ms / 1e9:.0f} TFLOP/s", flush=True)
@@ -180,7 +206,9 @@ def main():
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--impls", default="kernel,library,xla,capacity",
                  help="implementations to compare, by the first word of their name")
-  p.add_argument("--sweep", default="", help="products to sweep tiles of, from gmm,gmm^T,tgmm")
+  p.add_argument("--sweep", default="", help="products to sweep tiles of, from gmm,gmm^T,"
+                 "tgmm, the warp-specialized gmm_ws,gmm_ws^T,tgmm_ws, and gmm_ws^T_xla,"
+                 "tgmm_ws_xla (the transposed operand made by XLA first)")
   p.add_argument("--chosen_only", action="store_true",
                  help="--sweep at kernel.BLOCKS alone: each product's time")
   a = p.parse_args()

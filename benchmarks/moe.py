@@ -7,17 +7,18 @@
 One layer (`k3jax.model.latent_moe.LatentMoE`, built from the config, bf16 compute), on
 random activations x [rows, seq_len, d] (rows: the config's microbatch). Timed per
 dispatch and capacity factor, each forward ("fwd") and forward + backward to the
-parameters and x ("fwd+bwd"):
+parameters and x ("fwd+bwd", pulling back a fixed cotangent in the output's dtype):
   layer     the whole layer: router, top-k, down-projection, dispatch, experts, combine,
             latent norm, up-projection, shared experts;
   layer, experts cast once   the layer as a train step with train.cast_params_once runs
             it: the routed expert matrices come in bf16 (cast once per step, outside);
-  experts   the three expert matmuls alone on the layer's own buffer shape
+  experts   the experts alone (three matmuls and the GLU) on the layer's own buffer shape
             ([E, rows, C, L] for "capacity", sorted rows for "dropless");
   experts, bf16 weights   the same on weights already in bf16: without the per-call
             fp32 -> bf16 cast of the expert weights (and its transpose for the gradients);
-  matmuls alone   bf16 weights and a bare product g * v for the GLU: the three batched
-            (capacity) or grouped (dropless) matmuls at the layer's shapes;
+  expert matmuls   the three batched (capacity) or grouped (dropless) matmuls alone at
+            the layer's shapes, bf16 weights, each on its own input (no GLU between them,
+            no sum of input gradients; "experts, bf16 weights" minus this is that glue);
   dispatch  the dispatch alone: the layer's gathers into buffers and back and the weighted
             combine, with identity experts (capacity), or the sort and unsort (dropless);
             compiled on its own, so XLA may fuse it differently than inside the layer;
@@ -32,6 +33,7 @@ of it, the whole layer >= 50%).
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import time
 
@@ -46,6 +48,7 @@ from k3jax import config as k3config
 from k3jax import steps
 from k3jax.model import latent_moe, moe_dispatch
 from k3jax.model.situ_glu import glu_activation
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 CEILING_TFLOPS = 669.0  # ANCHORS.md: batched einsum [E, C, K] x [E, K, N], fwd+bwd, H200
 
@@ -69,12 +72,17 @@ def timed_ms(fn, *args, reps):
   return float(np.median(times)) * 1e3
 
 
-def fwd_and_bwd(f):
-  """f(params, x) -> array  ==>  (forward, forward + backward to params and x), jitted."""
-  def loss(params, x):
-    y = f(params, x)
-    return jnp.sum(y.astype(jnp.float32) * jnp.cos(y.astype(jnp.float32)))  # non-trivial dy
-  return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1)))
+def fwd_and_bwd(f, params, x):
+  """f(params, x) -> y (an array or a tuple)  ==>  (forward, forward + backward to params
+  and x, dy), jitted. The backward pulls back a fixed cotangent dy in y's dtype, as the
+  layer's backward receives one in a train step: no loss of the harness's own is timed."""
+  dy = jax.tree.map(
+      lambda y: jax.random.normal(jax.random.key(1), y.shape, jnp.float32).astype(y.dtype),
+      jax.eval_shape(f, params, x))
+
+  def bwd(params, x, dy):
+    return jax.vjp(f, params, x)[1](dy)
+  return jax.jit(f), jax.jit(bwd), dy
 
 
 def dropless(dispatch: str) -> bool:
@@ -84,6 +92,13 @@ def dropless(dispatch: str) -> bool:
     raise ValueError("benchmarks/moe.py times named dispatches: pass --dispatches=dropless,"
                      "capacity (or another of moe_dispatch.DISPATCHES), not auto")
   return dispatch in ("dropless", "expert_parallel_dropless")
+
+
+def three_matmuls(matmul):
+  """The experts' three matmuls (gate, up, down) on bf16 weights, each on its own input
+  xs = (gate's, up's, down's): f(w, xs) -> their three outputs. No GLU between them and no
+  sum of the gate's and up's input gradients: what the matmuls alone run."""
+  return lambda w, xs: (matmul(xs[0], w["g"]), matmul(xs[1], w["u"]), matmul(xs[2], w["d"]))
 
 
 def layer_parts(cfg_model, rows: int, seq: int, key):
@@ -118,15 +133,19 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
                                         useful + dense)}
 
   w16 = {name: a.astype(dtype) for name, a in w.items()}
-  variants = (("experts", act, w), ("experts, bf16 weights", act, w16),
-              ("matmuls alone", lambda g, v: g * v, w16))
+  variants = (("experts", act, w), ("experts, bf16 weights", act, w16))
   if dropless(e.dispatch):
     sizes = jnp.full((n_exp,), n * k // n_exp, jnp.int32)
+    rows_in = jnp.repeat(z, k, axis=0)
     for name, glu, ws in variants:
       parts[name] = (
           lambda w, rows_, glu=glu: moe_dispatch.ragged_glu_experts(
-              w["g"], w["u"], w["d"], glu, dtype)(rows_, sizes),
-          ws, jnp.repeat(z, k, axis=0), useful, useful)
+              w["g"], w["u"], w["d"], glu, dtype, e.gmm_backend)(rows_, sizes),
+          ws, rows_in, useful, useful)
+    gmm = lambda a, b: grouped_matmul(a, b, sizes, backend=e.gmm_backend)  # noqa: E731
+    hidden = jax.random.normal(kz, (n * k, hid), dtype)
+    parts["expert matmuls"] = (three_matmuls(gmm), w16, (rows_in, rows_in, hidden), useful,
+                               useful)
     parts["dispatch"] = (
         lambda _, z: moe_dispatch.dropless_moe(z, idx, weights, lambda r, g: r, n_exp),
         {}, z, 0, 0)
@@ -138,6 +157,10 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
       parts[name] = (
           lambda w, b, glu=glu: moe_dispatch.batched_glu_experts(
               w["g"], w["u"], w["d"], glu, dtype)(b), ws, buf, useful, issued)
+    hidden = jax.random.normal(kz, (n_exp, rows, capacity, hid), dtype)
+    parts["expert matmuls"] = (
+        three_matmuls(functools.partial(jnp.einsum, "erck,ekh->erch")), w16,
+        (buf, buf, hidden), useful, issued)
     parts["dispatch"] = (
         lambda _, z: moe_dispatch.capacity_moe(z, idx, weights, lambda b: b, n_exp, rows,
                                                capacity)[0],
@@ -177,14 +200,14 @@ def main(argv):
           f"({dropped / pairs:.2%})", flush=True)
     times = {}
     for name, (f, params, x, useful, issued) in parts.items():
-      fwd, bwd = fwd_and_bwd(f)
+      fwd, bwd, dy = fwd_and_bwd(f, params, x)
       if name == "layer":
         t0 = time.perf_counter()
-        bwd = bwd.lower(params, x).compile()
+        bwd = bwd.lower(params, x, dy).compile()
         print(f"# {dispatch} cf {factor}: the layer's fwd+bwd compiled in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
       times[name] = (timed_ms(fwd, params, x, reps=_REPS.value),
-                     timed_ms(bwd, params, x, reps=_REPS.value), useful, issued)
+                     timed_ms(bwd, params, x, dy, reps=_REPS.value), useful, issued)
     lay = times["layer"][1]
     times["non-expert"] = (times["layer"][0] - times["experts"][0],
                            lay - times["experts"][1], 0, 0)

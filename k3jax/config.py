@@ -92,7 +92,8 @@ def base_config() -> ml_collections.ConfigDict:
                              # matmul rate on H200); see moe_dispatch.resolve_dispatch
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
   # The dropless dispatches' grouped matmuls (pallas_kernels.grouped_matmul): "auto" (the
-  # Mosaic GPU kernel on GPU, ragged_dot elsewhere), "reference" (ragged_dot), "kernel"
+  # Mosaic GPU kernels on GPU, warp-specialized where the shapes fit their tiles; ragged_dot
+  # elsewhere), "reference" (ragged_dot), "kernel" (per-tile), "kernel_ws"
   e.gmm_backend = "auto"
   e.balancing = "quantile"   # "quantile" (K3) or "none"
   e.balance_bins = 1_000

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.grouped_matmul import grouped_matmul, kernel, reference, resolve_backend
+from pallas_kernels.grouped_matmul import (grouped_matmul, kernel, kernel_ws, reference,
+                                           resolve_backend)
 
 SIZES = [5, 0, 9, 4]  # an empty group; 2 of M = 20 rows past the groups
 
@@ -62,7 +63,13 @@ def test_vjp_is_autodiff_of_ragged_dot():
 
 
 def test_backends_and_errors():
-  assert resolve_backend("auto", "gpu") == "kernel"
+  assert resolve_backend("auto", "gpu") == "kernel_ws"
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  # "auto" on a GPU: the warp-specialized kernels where their tiles fit, else the per-tile
+  # kernel where its do, else the reference
+  assert resolve_backend("auto", "gpu", sd(256, 256), sd(4, 256, 256)) == "kernel_ws"
+  assert resolve_backend("auto", "gpu", sd(24, 128), sd(4, 128, 128)) == "kernel"
+  assert resolve_backend("auto", "gpu", sd(20, 128), sd(4, 128, 128)) == "reference"
   assert resolve_backend("auto", "tpu") == resolve_backend("auto", "cpu") == "reference"
   lhs, rhs, sizes = operands(4)
   with pytest.raises(ValueError, match="unknown grouped-matmul backend 'triton'"):
@@ -76,7 +83,6 @@ def test_backends_and_errors():
   # "auto" on a GPU takes the reference where the kernel's tiles do not fit
   np.testing.assert_array_equal(grouped_matmul(lhs, rhs, sizes, platform="gpu"),
                                 grouped_matmul(lhs, rhs, sizes, backend="reference"))
-  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   with pytest.raises(ValueError, match="M=20 to be a multiple of 8 rows"):
     kernel.check(sd(20, 128), sd(4, 128, 128))
   with pytest.raises(ValueError, match="K=96 to be a multiple of block_k=64"):
@@ -141,3 +147,72 @@ def test_kernel_lowers_for_cuda(transpose_rhs):
   text = jax.jit(fn).trace(sd((304, 512), jnp.bfloat16), rhs, sd((4,), jnp.int32)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.parametrize("num_sms,chain", [(1, True), (3, True), (16, True), (3, False)])
+def test_warp_specialized_kernel_matches_reference_in_interpreter(num_sms, chain):
+  """`gmm_ws` in Mosaic GPU's interpreter equals a matmul per group: one CTA running all
+  tiles as one chained pipeline (START, STEADY..., STOP), several CTAs, more CTAs than
+  tiles (a lone tile starts and stops its pipeline), and a pipeline per tile."""
+  rng = np.random.default_rng(6)
+  sizes = [70, 0, 100, 50, 0]
+  lhs = jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((5, 256, 256)), jnp.bfloat16)
+  out = kernel_ws.gmm_ws(lhs, rhs, jnp.asarray(sizes, jnp.int32),
+                      blocks=kernel_ws.WSBlocks(64, 64, 64, 2, 2, 32, chain), interpret=True,
+                      num_sms=num_sms)
+  exact = per_group(lhs, rhs, sizes)
+  ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
+  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 0.5 * ulp + 1e-3)
+  assert not np.any(np.asarray(out[220:]))
+
+
+@pytest.mark.parametrize("product", ["gmm_ws", "gmm_ws^T", "tgmm_ws"])
+def test_warp_specialized_kernels_lower_for_cuda(product):
+  """The warp-specialized products lower for CUDA at k3_small's expert shapes (shared memory
+  within the H100 / H200's 227 KiB, checked in the lowering)."""
+  sd = jax.ShapeDtypeStruct
+  m, k, n, g = 65536, 1024, 768, 64
+  fn, args = {
+      "gmm_ws": (kernel_ws.gmm_ws, (sd((m, k), jnp.bfloat16), sd((g, k, n), jnp.bfloat16))),
+      "gmm_ws^T": (lambda a, b, s: kernel_ws.gmm_ws(a, b, s, transpose_rhs=True),
+                   (sd((m, n), jnp.bfloat16), sd((g, k, n), jnp.bfloat16))),
+      "tgmm_ws": (kernel_ws.tgmm_ws, (sd((m, k), jnp.bfloat16), sd((m, n), jnp.bfloat16)))}[product]
+  text = jax.jit(fn).trace(*args, sd((g,), jnp.int32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+def test_warp_specialized_backend_names_what_it_cannot_take():
+  """backend="kernel_ws" checks its tiles up front: K and N by 2 block_n and by the chained
+  pipeline's K steps, and the dtypes."""
+  sd = jax.ShapeDtypeStruct
+  ok = (sd((512, 1024), jnp.bfloat16), sd((4, 1024, 768), jnp.bfloat16))
+  assert resolve_backend("kernel_ws", "gpu", *ok) == "kernel_ws"
+  with pytest.raises(ValueError, match="N=640 to be a multiple of 2 block_n=256"):
+    resolve_backend("kernel_ws", "gpu", sd((512, 1024), jnp.bfloat16),
+                    sd((4, 1024, 640), jnp.bfloat16))
+  with pytest.raises(ValueError, match="bf16 or fp16"):
+    resolve_backend("kernel_ws", "gpu", sd((512, 1024), jnp.float32),
+                    sd((4, 1024, 768), jnp.float32))
+
+
+def test_warp_specialized_weight_gradient_in_interpreter():
+  """`tgmm_ws` (lhs given as [K, M], the form JAX 0.10's interpreter can run) equals each
+  group's lhs^T rhs: group boundaries inside a row block (masked in shared memory), an empty
+  group in the middle and one at the end (zero), rows past the groups left out."""
+  rng = np.random.default_rng(7)
+  sizes = [70, 0, 100, 50, 0]
+  lhs = rng.standard_normal((256, 128))
+  rhs = rng.standard_normal((256, 128))
+  lhs16, rhs16 = jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16)
+  out = kernel_ws.tgmm_ws(lhs16.T, rhs16, jnp.asarray(sizes, jnp.int32),
+                       blocks=kernel_ws.WSBlocks(64, 64, 64, 2, 2, 32), interpret=True,
+                       num_sms=3, lhs_transposed=True)
+  a, b = np.asarray(lhs16, np.float64), np.asarray(rhs16, np.float64)
+  ends = np.cumsum(sizes)
+  exact = np.stack([a[e - s:e].T @ b[e - s:e] for s, e in zip(sizes, ends)])
+  ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
+  assert out.shape == (5, 128, 128) and out.dtype == jnp.bfloat16
+  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 0.5 * ulp + 1e-3)
+  assert not np.any(np.asarray(out[1])) and not np.any(np.asarray(out[4]))

@@ -5,7 +5,10 @@ own matrix (`reference.gmm`), differentiable in both operands.
   "reference"  plain JAX (`jax.lax.ragged_dot`; on TPU XLA's grouped-matmul kernels);
   "kernel"     Pallas Mosaic GPU kernels (`kernel.py`: ours for the forward and the lhs
                gradient, JAX's library one for the weight gradient; H100 / H200);
-  "auto"       "kernel" on GPU where the operands fit its tiles, else "reference".
+  "kernel_ws"  the warp-specialized Mosaic GPU kernels (`kernel_ws.gmm_ws`, `kernel_ws.tgmm_ws`)
+               for all three products;
+  "auto"       on GPU the first of "kernel_ws", "kernel" whose tiles the operands fit, else
+               "reference"; "reference" elsewhere.
 Its VJP is two more grouped products of the same backend: dlhs = gmm(dout, rhs^T) and
 drhs = tgmm(lhs, dout) (per group lhs^T dout). Imports nothing from `k3jax/`.
 """
@@ -13,39 +16,46 @@ drhs = tgmm(lhs, dout) (per group lhs^T dout). Imports nothing from `k3jax/`.
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import numpy as np
 
-from pallas_kernels.grouped_matmul import kernel, reference
+from pallas_kernels.grouped_matmul import kernel, kernel_ws, reference
 from pallas_kernels.platform import target_platform
 from pallas_kernels.shard_types import cotangent_like
 
 __all__ = ["BACKENDS", "grouped_matmul", "resolve_backend"]
 
-BACKENDS = ("reference", "kernel", "auto")
-_PRODUCTS = {"reference": reference, "kernel": kernel}
+BACKENDS = ("reference", "kernel", "kernel_ws", "auto")
+_PRODUCTS = {"reference": reference, "kernel": kernel,
+             "kernel_ws": types.SimpleNamespace(gmm=kernel_ws.gmm_ws, tgmm=kernel_ws.tgmm_ws)}
+_CHECKS = {"kernel_ws": kernel_ws.check_ws, "kernel": kernel.check}
 
 
 def resolve_backend(backend: str, platform: str, lhs=None, rhs=None) -> str:
-  """The backend `backend` stands for on platform ("gpu", "tpu", "cpu"): "auto" is "kernel"
-  on GPU where the operands (arrays or ShapeDtypeStructs, lhs [M, K], rhs [G, K, N]; both
-  or neither) fit its tiles, else "reference"; the others are returned unchanged, "kernel"
-  after `kernel.check` of the operands (ValueError naming what does not fit)."""
+  """The backend `backend` stands for on platform ("gpu", "tpu", "cpu"). "auto" on GPU is
+  the first of "kernel_ws", "kernel" whose tiles the operands (arrays or ShapeDtypeStructs,
+  lhs [M, K], rhs [G, K, N]; both or neither) fit, else "reference"; elsewhere
+  "reference". The others are returned unchanged, "kernel" and "kernel_ws" after their
+  check of the operands (ValueError naming what does not fit)."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown grouped-matmul backend {backend!r}; choose one of {BACKENDS}")
   if backend != "auto":
-    if backend == "kernel" and lhs is not None:
-      kernel.check(lhs, rhs)
+    if backend in _CHECKS and lhs is not None:
+      _CHECKS[backend](lhs, rhs)
     return backend
   if platform != "gpu":
     return "reference"
-  if lhs is not None:
+  if lhs is None:
+    return "kernel_ws"
+  for candidate, check in _CHECKS.items():  # fastest first (results/moe.md, run 9)
     try:
-      kernel.check(lhs, rhs)
+      check(lhs, rhs)
+      return candidate
     except ValueError:
-      return "reference"  # shapes or dtypes the tiles do not divide (small models)
-  return "kernel"
+      pass  # shapes or dtypes its tiles do not divide (small models)
+  return "reference"
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,

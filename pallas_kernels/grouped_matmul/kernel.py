@@ -160,14 +160,8 @@ def gmm(lhs, rhs, group_sizes, transpose_rhs=False, blocks=BLOCKS, interpret=Fal
           j //= 2
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  if num_sms is None:
-    device = jax.devices()[0]
-    num_sms = device.core_count if device.platform == "gpu" else H100_SMS
-  run = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype), grid=(num_sms,),
-      grid_names=("sm",), compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  with _interpreted() if interpret else contextlib.nullcontext():
+  run = persistent_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), num_sms)
+  with interpreted() if interpret else contextlib.nullcontext():
     return run(table, count, lhs, rhs)
 
 
@@ -178,7 +172,22 @@ def tgmm(lhs, rhs, group_sizes, blocks=BLOCKS):
       lhs, rhs, group_sizes=group_sizes.astype(jnp.int32), **dataclasses.asdict(blocks))
 
 
-def _interpreted():
+def persistent_kernel(body, out_type, num_sms, warpgroups=1):
+  """A Mosaic GPU kernel of one CTA per SM (grid axis "sm"; num_sms None: the GPU's SM
+  count, else the H100 / H200's 132) in warpgroup semantics; warpgroups > 1: that many per
+  CTA (axis "wg")."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+  if num_sms is None:
+    device = jax.devices()[0]
+    num_sms = device.core_count if device.platform == "gpu" else H100_SMS
+  threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
+  return plgpu.kernel(
+      body, out_type=out_type, grid=(num_sms,), grid_names=("sm",), **threads,
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+
+def interpreted():
   # JAX exports no name for it yet (0.10 - 0.11): Mosaic GPU kernels traced inside run in
   # its interpreter.
   from jax._src.pallas.mosaic_gpu.interpret import params  # noqa: PLC0415
