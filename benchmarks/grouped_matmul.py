@@ -134,7 +134,8 @@ def compare(M, K, N, G, reps, impls):
 
 def sweep(M, K, N, G, reps, products, chosen_only=False):
   """Times of each product of the kernel over tile sizes (balanced groups); chosen_only: at
-  `kernel.BLOCKS` alone (which product the fwd+bwd time goes to)."""
+  the chosen tiles alone (`kernel.BLOCKS`, `kernel_ws.WS_BLOCKS`), against the same product
+  as a batched einsum (which product the fwd+bwd time goes to)."""
   lhs, rhs, sizes, dout = problem(0, M, K, N, G, True)
   candidates = {
       "gmm": (lambda b: jax.jit(lambda a, w, s: kernel.gmm(a, w, s, blocks=b)),
@@ -210,7 +211,8 @@ def main():
                  "tgmm, the warp-specialized gmm_ws,gmm_ws^T,tgmm_ws, and gmm_ws^T_xla,"
                  "tgmm_ws_xla (the transposed operand made by XLA first)")
   p.add_argument("--chosen_only", action="store_true",
-                 help="--sweep at kernel.BLOCKS alone: each product's time")
+                 help="--sweep at the chosen tiles alone (kernel.BLOCKS, "
+                 "kernel_ws.WS_BLOCKS): each product's time against its batched einsum")
   a = p.parse_args()
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; M {a.rows}, K {a.k}, "
         f"N {a.n}, G {a.groups}, bf16", flush=True)

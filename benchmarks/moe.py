@@ -142,7 +142,7 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
           lambda w, rows_, glu=glu: moe_dispatch.ragged_glu_experts(
               w["g"], w["u"], w["d"], glu, dtype, e.gmm_backend)(rows_, sizes),
           ws, rows_in, useful, useful)
-    gmm = lambda a, b: grouped_matmul(a, b, sizes, backend=e.gmm_backend)  # noqa: E731
+    gmm = functools.partial(grouped_matmul, group_sizes=sizes, backend=e.gmm_backend)
     hidden = jax.random.normal(kz, (n * k, hid), dtype)
     parts["expert matmuls"] = (three_matmuls(gmm), w16, (rows_in, rows_in, hidden), useful,
                                useful)

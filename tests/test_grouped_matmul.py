@@ -22,6 +22,13 @@ def operands(seed, M=20, K=8, N=6, dtype=jnp.float32):
   return jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(SIZES, jnp.int32)
 
 
+def assert_bf16_rounding_of(out, exact):
+  """out (bf16) differs from the float64 exact only by the output's rounding: half an ulp
+  of each value (8 significant bits), 1e-3 near zero."""
+  ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
+  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 0.5 * ulp + 1e-3)
+
+
 def per_group(lhs, rhs, sizes=SIZES):
   """numpy float64: every group's rows times its matrix, zero past the groups."""
   lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
@@ -130,10 +137,8 @@ def test_kernel_matches_reference_in_interpreter():
   out = kernel.gmm(lhs, rhs, gs, blocks=kernel.Blocks(64, 64, 64, 2, 2), interpret=True,
                    num_sms=2)
   exact = per_group(lhs, rhs, sizes)
-  # only the bf16 rounding of the output: half an ulp of each value
-  ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
   assert out.dtype == jnp.bfloat16
-  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 0.5 * ulp + 1e-3)
+  assert_bf16_rounding_of(out, exact)
   assert not np.any(np.asarray(out[236:]))
 
 
@@ -162,8 +167,7 @@ def test_warp_specialized_kernel_matches_reference_in_interpreter(num_sms, chain
                       blocks=kernel_ws.WSBlocks(64, 64, 64, 2, 2, 32, chain), interpret=True,
                       num_sms=num_sms)
   exact = per_group(lhs, rhs, sizes)
-  ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
-  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 0.5 * ulp + 1e-3)
+  assert_bf16_rounding_of(out, exact)
   assert not np.any(np.asarray(out[220:]))
 
 
@@ -212,7 +216,6 @@ def test_warp_specialized_weight_gradient_in_interpreter():
   a, b = np.asarray(lhs16, np.float64), np.asarray(rhs16, np.float64)
   ends = np.cumsum(sizes)
   exact = np.stack([a[e - s:e].T @ b[e - s:e] for s, e in zip(sizes, ends)])
-  ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(exact), 1e-30))) - 7)
   assert out.shape == (5, 128, 128) and out.dtype == jnp.bfloat16
-  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= 0.5 * ulp + 1e-3)
+  assert_bf16_rounding_of(out, exact)
   assert not np.any(np.asarray(out[1])) and not np.any(np.asarray(out[4]))

@@ -65,7 +65,7 @@ def grouped_kernel_fits(rows: int, latent: int, hidden: int, num_experts: int, d
   (`moe.gmm_backend`): on 16-bit operands whose sizes divide its tiles."""
   sd = jax.ShapeDtypeStruct
   return all(resolve_backend(backend, "gpu", sd((rows, a), dtype),
-                             sd((num_experts, a, b), dtype)) in ("kernel", "kernel_ws")
+                             sd((num_experts, a, b), dtype)) != "reference"
              for a, b in ((latent, hidden), (hidden, latent)))
 
 
