@@ -7,7 +7,8 @@
 One layer (`k3jax.model.latent_moe.LatentMoE`, built from the config, bf16 compute), on
 random activations x [rows, seq_len, d] (rows: the config's microbatch). Timed per
 dispatch and capacity factor, each forward ("fwd") and forward + backward to the
-parameters and x ("fwd+bwd", pulling back a fixed cotangent in the output's dtype):
+parameters and x ("fwd+bwd", pulling back a fixed cotangent in the output's dtype, and
+returning the output), each the median of groups of back-to-back calls, as a step runs:
   layer     the whole layer: router, top-k, down-projection, dispatch, experts, combine,
             latent norm, up-projection, shared experts;
   layer, experts cast once   the layer as a train step with train.cast_params_once runs
@@ -39,7 +40,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from flax import nnx
 
@@ -48,6 +48,7 @@ from k3jax import config as k3config
 from k3jax import steps
 from k3jax.model import latent_moe, moe_dispatch
 from k3jax.model.situ_glu import glu_activation
+from kda import time_jax
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 CEILING_TFLOPS = 669.0  # ANCHORS.md: batched einsum [E, C, K] x [E, K, N], fwd+bwd, H200
@@ -56,32 +57,24 @@ _DISPATCHES = flags.DEFINE_list("dispatches", ["capacity"], "moe.dispatch values
 _FACTORS = flags.DEFINE_list("capacity_factors", ["2.0", "1.25"],
                              "capacity factors to time (capacity dispatch)")
 _ROWS = flags.DEFINE_integer("rows", 0, "rows of x (0: the config's microbatch)")
-_REPS = flags.DEFINE_integer("reps", 20, "timed calls per measurement (after 2 warm-ups)")
+_REPS = flags.DEFINE_integer("reps", 20, "back-to-back calls per timed group (median of 5 "
+                             "groups, after a warm-up)")
 _OUT = flags.DEFINE_string("out", None, "also write the markdown table here")
-
-
-def timed_ms(fn, *args, reps):
-  """Median milliseconds per call of the jitted fn(*args)."""
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)) * 1e3
 
 
 def fwd_and_bwd(f, params, x):
   """f(params, x) -> y (an array or a tuple)  ==>  (forward, forward + backward to params
   and x, dy), jitted. The backward pulls back a fixed cotangent dy in y's dtype, as the
-  layer's backward receives one in a train step: no loss of the harness's own is timed."""
+  layer's backward receives one in a train step: no loss of the harness's own is timed.
+  It returns y too, as a step uses it: else XLA drops every forward product the backward
+  does not need (a matmul's output is not), and a linear part's fwd+bwd would be its bwd."""
   dy = jax.tree.map(
       lambda y: jax.random.normal(jax.random.key(1), y.shape, jnp.float32).astype(y.dtype),
       jax.eval_shape(f, params, x))
 
   def bwd(params, x, dy):
-    return jax.vjp(f, params, x)[1](dy)
+    y, pull = jax.vjp(f, params, x)
+    return y, pull(dy)
   return jax.jit(f), jax.jit(bwd), dy
 
 
@@ -179,7 +172,8 @@ def main(argv):
           f"{e.top_k}, latent {e.latent_dim}, expert hidden {e.expert_dim}, "
           f"{e.num_shared} shared x {e.shared_dim}; x [{rows}, {t.seq_len}, "
           f"{base.model.d_model}] {base.model.dtype}; {datetime.date.today()}, "
-          f"{dev.device_kind}, jax {jax.__version__}. Median of {_REPS.value} calls.")
+          f"{dev.device_kind}, jax {jax.__version__}. Median of 5 groups of {_REPS.value} "
+          "back-to-back calls.")
   print("# " + head, flush=True)
   lines = [head, "",
            "| dispatch | capacity factor | part | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s "
@@ -206,8 +200,8 @@ def main(argv):
         bwd = bwd.lower(params, x, dy).compile()
         print(f"# {dispatch} cf {factor}: the layer's fwd+bwd compiled in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
-      times[name] = (timed_ms(fwd, params, x, reps=_REPS.value),
-                     timed_ms(bwd, params, x, dy, reps=_REPS.value), useful, issued)
+      times[name] = (time_jax(fwd, (params, x), _REPS.value),
+                     time_jax(bwd, (params, x, dy), _REPS.value), useful, issued)
     lay = times["layer"][1]
     times["non-expert"] = (times["layer"][0] - times["experts"][0],
                            lay - times["experts"][1], 0, 0)
