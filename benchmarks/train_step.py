@@ -152,9 +152,9 @@ def wait_for_sharers():
       raise RuntimeError(f"{done} of --sharers={_SHARERS.value} compiled within "
                          f"--share_wait={_SHARE_WAIT.value:.0f} s in {share}")
     time.sleep(1.0)
-  lock = open(share / "lock", "w")  # noqa: SIM115 (held to the end of the process)
-  fcntl.flock(lock, fcntl.LOCK_EX)
-  wait_for_sharers.lock = lock
+  # a raw descriptor, never closed (no file object for the collector to close): the lock
+  # lasts until the process exits
+  fcntl.flock(os.open(share / "lock", os.O_WRONLY | os.O_CREAT, 0o644), fcntl.LOCK_EX)
 
 
 def main(argv):

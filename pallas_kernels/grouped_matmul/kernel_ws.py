@@ -59,13 +59,13 @@ def check_ws(lhs, rhs, blocks=WS_BLOCKS):
     raise ValueError(f"the grouped-matmul kernels take bf16 or fp16 operands of one dtype, "
                      f"got {lhs.dtype} and {rhs.dtype}")
   step = blocks.block_k * (blocks.max_concurrent_steps if blocks.chain else 1)
-  for dim, size, tile, what in (
+  for dim, name, tile, what in (
       (k, "K", 2 * blocks.block_n, "2 block_n"), (n, "N", 2 * blocks.block_n, "2 block_n"),
       (k, "K", step, "block_k x the pipeline's steps"),
       (n, "N", step, "block_k x the pipeline's steps"), (m, "M", blocks.block_k, "block_k"),
       (k, "K", blocks.block_m, "block_m")):
     if dim % tile:
-      raise ValueError(f"the warp-specialized grouped-matmul kernels need {size}={dim} to be "
+      raise ValueError(f"the warp-specialized grouped-matmul kernels need {name}={dim} to be "
                        f"a multiple of {what}={tile}")
 
 
@@ -90,7 +90,7 @@ def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpr
   num_tiles, num_groups, grid_n = table.shape[0] // 4, rhs.shape[0], n // (2 * bn)
   epi = blocks.epi_n
 
-  def pipeline(block, ni, group, body, compute_context, state):
+  def pipeline(block, ni, body, compute_context, state):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k // bk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
         max_concurrent_steps=steps, compute_context=compute_context, pipeline_state=state,
@@ -102,7 +102,7 @@ def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpr
 
   def body(table_ref, count_ref, lhs_ref, rhs_ref, out_ref):
     ignore = lambda *_, **__: None  # the allocations depend on the specs' shapes alone
-    allocs = pipeline(0, 0, 0, ignore, ignore, None).get_allocations(lhs_ref, rhs_ref.at[0])
+    allocs = pipeline(0, 0, ignore, ignore, None).get_allocations(lhs_ref, rhs_ref.at[0])
 
     @functools.partial(pl.run_scoped, allocs=allocs,
                        out_smem=plgpu.SMEM((2, bm, epi), out_ref.dtype), collective_axes="wg")
@@ -148,12 +148,12 @@ def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpr
 
         @pl.when(one)
         def _():
-          pipeline(block, ni, group, mma, compute_context, None)(*args, allocations=allocs)
+          pipeline(block, ni, mma, compute_context, None)(*args, allocations=allocs)
 
         if blocks.chain:
           @pl.when(jnp.logical_not(one))
           def _():
-            pipeline(block, ni, group, mma, compute_context, state)(*args, allocations=allocs)
+            pipeline(block, ni, mma, compute_context, state)(*args, allocations=allocs)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   run = persistent_kernel(body, jax.ShapeDtypeStruct((m, n), lhs.dtype), num_sms,
