@@ -55,7 +55,7 @@ def caption_losses(cfg, params, rest) -> dict[str, float]:
       pictures += int((batch["media_grid_thw"][..., 0] > 0).sum())
       blank = {**batch, "media_patches": np.zeros_like(batch["media_patches"])}
       for name, b in (("images", batch), ("blank", blank)):
-        loss = prog.eval_step(params, rest, k3train.put_batch(b, prog.batch_sharding))
+        loss = prog.eval_step(params, rest, k3train.put_batch(b, prog.batch_shardings))
         sums[name] += float(loss) * n
       tokens += n
   return {**{k: v / tokens for k, v in sums.items()}, "tokens": tokens, "pictures": pictures}

@@ -203,7 +203,7 @@ def main(argv):
   del params
   print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}, "
         f"cast_params_once {t.cast_params_once}", flush=True)
-  batch = jax.device_put(batch, prog.batch_sharding)
+  batch = jax.device_put(batch, prog.batch_shardings)
   with prog.rules():
     state = prog.init()
     t0 = time.perf_counter()

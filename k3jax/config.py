@@ -187,6 +187,7 @@ def base_config() -> ml_collections.ConfigDict:
   p.data = -1            # -1: the devices the other axes leave
   p.fsdp = 1
   p.expert = 1
+  p.context = 1          # context parallelism: each sequence's positions split this many ways
   p.tensor = 1
   # Multi-slice TPU: how many of each axis's ways run across slices over DCN (the rest, the
   # ICI part mesh.<axis> / dcn_<axis>, stay within a slice); they multiply to the number of
@@ -194,6 +195,7 @@ def base_config() -> ml_collections.ConfigDict:
   p.dcn_data = 1
   p.dcn_fsdp = 1
   p.dcn_expert = 1
+  p.dcn_context = 1
   p.dcn_tensor = 1
 
   from k3jax.data import data_config  # noqa: PLC0415  (the data package owns its defaults)
@@ -337,7 +339,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "mesh.tensor", f"{p.tensor} does not divide model.vision.num_heads={m.vision.num_heads}")
   _check(p.expert == -1 or e.num_experts % p.expert == 0, "mesh.expert",
          f"{p.expert} does not divide model.moe.num_experts={e.num_experts}")
-  for axis in ("data", "fsdp", "expert", "tensor"):
+  for axis in ("data", "fsdp", "expert", "context", "tensor"):
     dcn = p[f"dcn_{axis}"]
     _check(dcn >= 1, f"mesh.dcn_{axis}", f"must be >= 1 (slices along mesh.{axis}), got {dcn}")
     _check(p[axis] == -1 or p[axis] % dcn == 0, f"mesh.dcn_{axis}",
@@ -350,6 +352,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(t.loss_chunk >= 0 and (t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0),
          "train.loss_chunk", f"{t.loss_chunk} must be 0 or a positive divisor of "
          f"train.seq_len={t.seq_len}")
+  if p.context != -1:
+    check_context(c, p.context)
   xla_options(t.xla_options, "any")  # its syntax; the names when the program is built
   _check(t.checkpoint_every >= 1, "train.checkpoint_every",
          f"must be >= 1, got {t.checkpoint_every}")
@@ -384,6 +388,23 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.data.images.source == "none" or m.vision.enabled, "data.images.source",
          f"{c.data.images.source!r} needs model.vision.enabled (the tower that reads them)")
   return c
+
+
+def check_context(c: ml_collections.ConfigDict, ways: int) -> None:
+  """ConfigError unless `ways` context-parallel devices each take a whole number of KDA
+  chunks of every sequence: seq_len % (ways * chunk) == 0, chunk = model.kda.chunk_size or
+  16 (the shortest any backend runs; `pallas_kernels.kda` halves its default chunk until it
+  divides a slice); and of loss chunks (train.loss_chunk)."""
+  chunk = c.model.kda.chunk_size or 16
+  _check(ways >= 1, "mesh.context", f"must be >= 1 or -1 (fill), got {ways}")
+  _check(c.train.seq_len % (ways * chunk) == 0 or ways == 1, "mesh.context",
+         f"{ways} devices split train.seq_len={c.train.seq_len} into slices that are not a "
+         f"whole number of KDA chunks of {chunk}: seq_len must be a multiple of "
+         f"{ways} x {chunk} = {ways * chunk}")
+  lc = c.train.loss_chunk
+  _check(ways == 1 or not lc or lc >= c.train.seq_len or c.train.seq_len % (ways * lc) == 0,
+         "train.loss_chunk", f"{lc} positions a chunk do not split each of the {ways} "
+         f"context-parallel slices of train.seq_len={c.train.seq_len}")
 
 
 def _check_vision(m: ml_collections.ConfigDict) -> None:

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax import optim, parallel
-from k3jax.config import ConfigError, xla_options
+from k3jax.config import ConfigError, check_context, xla_options
 from k3jax.data import MediaSpec, feature_shapes
 from k3jax.model import K3Model, axes
 from k3jax.steps import compute_dtypes, make_steps
@@ -54,7 +54,7 @@ class Program:
   abstract_params: Any            # nnx.State of the parameters, with metadata (no arrays)
   state_shardings: tuple          # (params, rest, opt_state) NamedShardings
   abstract_state: tuple           # the same, as ShapeDtypeStructs carrying the shardings
-  batch_sharding: NamedSharding
+  batch_shardings: dict[str, NamedSharding]   # per feature of the batch (`batch_shapes`)
   init: Any                       # jitted () -> state
   train_step: Any                 # jitted (params, rest, opt_state, batch) -> (*state, out)
   eval_step: Any                  # jitted (params, rest, batch) -> loss
@@ -73,9 +73,8 @@ class Program:
     return axes.use_rules(self.mesh, parallel.RULES)
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-    """Every array's leading axis is the batch row and shards as such (`batch_sharding`
-    names dims 0 and 1; the media's further dims are replicated)."""
-    return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+    """The global batch's arrays, sharded as `batch_shardings` says."""
+    return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_shardings[name])
             for name, (shape, dtype) in batch_shapes(self.cfg).items()}
 
   def lower_train_step(self) -> jax.stages.Lowered:
@@ -96,6 +95,7 @@ def build(cfg, mesh: Mesh) -> Program:
     raise ConfigError(f"config.train.microbatches: {t.microbatches} microbatches of "
                       f"{t.global_batch} rows do not each split over the {data_ways} "
                       "data-parallel devices (data x fsdp x expert)")
+  check_context(cfg, mesh.shape["context"])
   abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
   graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
   parallel.check_divisible(abs_params, mesh)
@@ -123,10 +123,18 @@ def build(cfg, mesh: Mesh) -> Program:
   return Program(
       cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
       abstract_params=abs_params, state_shardings=state_sh, abstract_state=abstract_state,
-      batch_sharding=NamedSharding(mesh, parallel.batch_spec()), init=init,
+      batch_shardings=batch_shardings(cfg, mesh), init=init,
       train_step=jax.jit(train_step, donate_argnums=(0, 1, 2),
                          out_shardings=(*state_sh, None), compiler_options=options),
       eval_step=jax.jit(eval_step, compiler_options=options))
+
+
+def batch_shardings(cfg, mesh: Mesh) -> dict[str, NamedSharding]:
+  """Each feature of the global batch sharded by its leading dims: text features [B, T] as
+  [batch, seq] (`parallel.batch_spec`), the media (`media_*`) by their rows alone."""
+  text = parallel.batch_spec()
+  return {name: NamedSharding(mesh, P(text[0]) if name.startswith("media_") else text)
+          for name in batch_shapes(cfg)}
 
 
 def compiler_options(spec: str, mesh: Mesh) -> dict[str, str | bool] | None:

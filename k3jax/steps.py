@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from k3jax.model import K3Model
+from k3jax.model import K3Model, axes
 from k3jax.model.vision_pos import PackedMedia
 
 
@@ -41,17 +41,22 @@ def chunked_cross_entropy(logits_fn, h: jax.Array, targets: jax.Array, weights: 
   run `chunk` positions of the sequence at a time (0: all at once) under remat, so that
   only one chunk's logits [B, chunk, V] ever exist, forward or backward (k3_full: fp32
   [4096, 163840] is 2.5 GiB per sequence). h [B, T, d]; logits_fn: [B, c, d] -> [B, c, V];
-  T must split into chunks."""
+  T must split into chunks. Where the rules split `seq` over s devices (context
+  parallelism), each scan step takes one chunk of every device's slice ([B, s chunk]), so
+  that no device gathers another's positions; T must then split into s x chunk."""
   b, t, _ = h.shape
   if denominator is None:
     denominator = _token_count(weights)
   if not chunk or chunk >= t:
     return cross_entropy(logits_fn(h), targets, weights, denominator)
-  if t % chunk:
-    raise ValueError(f"chunked_cross_entropy: {t} positions do not split into chunks of {chunk}")
+  s = axes.split_ways("seq")
+  if t % (s * chunk):
+    raise ValueError(f"chunked_cross_entropy: {t} positions do not split into {s} slices of "
+                     f"chunks of {chunk}")
 
-  def pieces(x):  # [B, T, ...] -> [T / chunk, B, chunk, ...]
-    return jnp.swapaxes(x.reshape(b, t // chunk, chunk, *x.shape[2:]), 0, 1)
+  def pieces(x):  # [B, T, ...] -> [T / (s chunk), B, s chunk, ...], positions of all slices
+    x = jnp.moveaxis(x.reshape(b, s, t // (s * chunk), chunk, *x.shape[2:]), 2, 0)
+    return x.reshape(t // (s * chunk), b, s * chunk, *x.shape[4:])
 
   @jax.checkpoint
   def piece_loss(h, targets, weights):  # the chunk's share of the numerator

@@ -137,9 +137,9 @@ class BadSteps:
     return {"skipped": self.skipped, "bad_run": self.bad_run}
 
 
-def put_batch(batch: dict, sharding: NamedSharding) -> dict:
-  """Places this process' rows of the global batch on the mesh."""
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+def put_batch(batch: dict, shardings: dict[str, NamedSharding]) -> dict:
+  """Places this process' rows of the global batch on the mesh (`Program.batch_shardings`)."""
+  return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v))
           for k, v in batch.items()}
 
 
@@ -168,8 +168,8 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   mesh = parallel.make_mesh(cfg.mesh)
   say("model: building (abstract) ...")
   prog = program.build_once(cfg, mesh)
-  batch_sharding = prog.batch_sharding
-  say(f"mesh: {dict(mesh.shape)}; batch sharded as {batch_sharding.spec}")
+  batch_shardings = prog.batch_shardings
+  say(f"mesh: {dict(mesh.shape)}; batch sharded as {parallel.batch_spec()}")
   say(f"optimizer: {optim.describe(cfg, prog.abstract_params)}")
   fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
   say(f"model: {prog.num_params:,} parameters; {fpt / 1e9:.3f} GFLOP/token (train, analytic); "
@@ -224,7 +224,7 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   last = t.steps if stop_after is None else min(t.steps, step + stop_after)
   try:
     while step < last:
-      batch = put_batch(next(data_iter), batch_sharding)
+      batch = put_batch(next(data_iter), batch_shardings)
       heartbeat.start(f"step {step + 1}" + (" (compiling)" if run_steps == 0 else ""))
       with prog.rules():
         params, rest, opt_state, out = train_step(params, rest, opt_state, batch)
@@ -256,7 +256,7 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
       if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
         heartbeat.start(f"eval at step {step}")
         with prog.rules():
-          loss = evaluate(cfg, eval_step, params, rest, batch_sharding)
+          loss = evaluate(cfg, eval_step, params, rest, batch_shardings)
         heartbeat.done()
         say(f"eval  {step:>6}  held-out loss {loss:.4f}")
         writer.write_scalars(step, {"eval_loss": loss})
@@ -280,7 +280,7 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   return params, rest
 
 
-def evaluate(cfg, eval_step, params, rest, sharding) -> float:
+def evaluate(cfg, eval_step, params, rest, shardings) -> float:
   """Mean loss over `train.eval_batches` batches of the held-out split (the same each time)."""
   t = cfg.train
   ds = k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
@@ -288,7 +288,7 @@ def evaluate(cfg, eval_step, params, rest, sharding) -> float:
                            process_count=jax.process_count(), split="validation",
                            media=k3data.MediaSpec.from_config(cfg.model.vision))
   it = iter(ds)
-  losses = [float(eval_step(params, rest, put_batch(next(it), sharding)))
+  losses = [float(eval_step(params, rest, put_batch(next(it), shardings)))
             for _ in range(t.eval_batches)]
   return float(np.mean(losses))
 

@@ -33,7 +33,7 @@ def test_train_step_compiles_for_a_v5p_slice():
   fsdp 2); the report holds the compiled memory and FLOPs and it fits a v5p chip (~40 s
   on this 2-core host)."""
   cfg = tiny_kernel_config()
-  mesh = tpu_mesh(("data", "fsdp", "expert", "tensor"), (2, 2, 1, 1))
+  mesh = tpu_mesh(parallel.MESH_AXES, (2, 2, 1, 1, 1))
   prog = program.build(cfg, mesh)
   hlo = prog.lower_train_step().as_text()
   assert hlo.count("tpu_custom_call") >= 2  # KDA (forward and backward) and Newton-Schulz
@@ -52,8 +52,8 @@ def test_state_bytes_per_chip_follow_the_shardings():
   """fsdp shards parameters and optimizer state: 4-way fsdp needs about a quarter of the
   per-chip state of pure data parallelism (replicated arrays: every chip holds them)."""
   cfg = micro_config()
-  data = program.build(cfg, tpu_mesh(("data", "fsdp", "expert", "tensor"), (4, 1, 1, 1)))
-  fsdp = program.build(cfg, tpu_mesh(("data", "fsdp", "expert", "tensor"), (1, 4, 1, 1)))
+  data = program.build(cfg, tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1, 1)))
+  fsdp = program.build(cfg, tpu_mesh(parallel.MESH_AXES, (1, 4, 1, 1, 1)))
   full = data.state_bytes
   assert memory.state_bytes_per_chip(data) == full
   assert full / 4 <= memory.state_bytes_per_chip(fsdp) < full / 2
@@ -97,7 +97,7 @@ def test_preflight_refuses_k3_full_on_four_chips_from_the_shardings():
   """`memory.preflight`, which `k3jax.train` runs before it makes any state, on a
   compile-only v5p mesh of 4 chips: k3_full's state is refused from the shardings alone
   (nothing compiled, nothing logged), naming the need per chip and the chip's capacity."""
-  mesh = tpu_mesh(parallel.MESH_AXES, (1, 4, 1, 1))
+  mesh = tpu_mesh(parallel.MESH_AXES, (1, 4, 1, 1, 1))
   prog = program.build(k3config.validate(k3_full.get_config()), mesh)
   logged = []
   with pytest.raises(MemoryError, match=r"the train state alone needs ([\d,.]+) GiB per chip "
@@ -111,7 +111,7 @@ def test_preflight_refuses_a_step_xla_cannot_fit():
   """A state that fits but a step that cannot: XLA's compile for v5p refuses it (here a
   step whose result alone is 256 GiB per chip, so the compile stays cheap), and
   `preflight` turns that into a MemoryError naming the chip, its capacity and XLA's need."""
-  mesh = tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1))
+  mesh = tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1, 1))
   prog = program.build(k3config.validate(micro_config()), mesh)
   huge = jax.jit(lambda params, rest, opt_state, batch: jnp.sin(
       jnp.arange(2 ** 38, dtype=jnp.float32).reshape(4, -1) + jnp.sum(batch["weights"])),
@@ -140,7 +140,7 @@ def test_xla_options_reach_the_tpu_compiler():
   another program than with the defaults (XLA's compile is deterministic). An option that
   XLA:TPU does not know is refused when the program is built, naming the field; a TPU
   option is left out on a CPU mesh."""
-  mesh = tpu_mesh(parallel.MESH_AXES, (1, 4, 1, 1))
+  mesh = tpu_mesh(parallel.MESH_AXES, (1, 4, 1, 1, 1))
 
   def eval_program(options):
     cfg = micro_config()
@@ -208,7 +208,7 @@ def test_dropless_moe_runs_its_experts_as_tpu_ragged_dot_kernels():
   which XLA:TPU compiles to `ragged-dot-*` TPU custom calls (grouped-matmul kernels): the
   three expert matmuls forward and their input gradients, at least. (At these sizes XLA
   computes the weight gradients as masked convolutions.)"""
-  mesh = tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1))
+  mesh = tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1, 1))
   lowered = _latent_moe_grad_lowered("dropless", mesh)
   assert "chlo.ragged_dot" in lowered.as_text()
   hlo = lowered.compile().as_text()
@@ -223,7 +223,7 @@ def test_auto_dispatch_follows_the_mesh_platform():
   mesh (compiled for TPU from this CPU host) and to that of "capacity" on a CPU mesh."""
   cfg = micro_config()
   cfg.mesh.data = 4
-  for mesh, want, other in [(tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1)),
+  for mesh, want, other in [(tpu_mesh(parallel.MESH_AXES, (4, 1, 1, 1, 1)),
                              "expert_parallel_dropless", "capacity"),
                             (parallel.make_mesh(cfg.mesh, jax.devices()[:4]), "capacity",
                              "dropless")]:
@@ -231,7 +231,7 @@ def test_auto_dispatch_follows_the_mesh_platform():
     assert text["auto"] == text[want] != text[other]
 
 
-@pytest.mark.parametrize("shape,exchanges,rows", [((4, 1, 1, 1), 0, 128), ((1, 1, 4, 1), 4, 512)],
+@pytest.mark.parametrize("shape,exchanges,rows", [((4, 1, 1, 1, 1), 0, 128), ((1, 1, 4, 1, 1), 4, 512)],
                          ids=["data4", "expert4"])
 def test_expert_parallel_dropless_compiles_for_tpu(shape, exchanges, rows):
   """moe.dispatch="expert_parallel_dropless" on v5p: each device sorts its own 2 x 32 x 2

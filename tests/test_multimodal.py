@@ -270,7 +270,7 @@ def test_train_steps_with_the_tower_are_finite_and_reach_it():
   losses = []
   with prog.rules():
     for b in batches(c, 2):
-      *state, out = prog.train_step(*state, jax.device_put(b, prog.batch_sharding))
+      *state, out = prog.train_step(*state, jax.device_put(b, prog.batch_shardings))
       losses.append(float(out["loss"]))
       assert int(out["skipped"]) == 0
   assert np.all(np.isfinite(losses)), losses

@@ -115,10 +115,11 @@ def test_parameters_live_where_the_rules_say():
   # layers, embed, heads, head_dim
   # the model width over every batch-splitting axis but data; the expert stacks' latent over
   # fsdp alone (their experts already take `expert`)
-  assert cyc["mixer"]["q_proj"]["kernel"] == P(None, ("fsdp", "expert"), "tensor", None)
-  assert cyc["ffn"]["w_g"] == P(None, "expert", "fsdp", "tensor")            # layers, experts, ...
-  assert specs["embed"] == P("tensor", ("fsdp", "expert"))                    # vocab, embed
-  assert parallel.batch_spec() == P(("data", "fsdp", "expert"), None)
+  assert cyc["mixer"]["q_proj"]["kernel"] == P(None, ("fsdp", "expert", "context"), "tensor",
+                                               None)
+  assert cyc["ffn"]["w_g"] == P(None, "expert", ("fsdp", "context"), "tensor")  # layers, experts
+  assert specs["embed"] == P("tensor", ("fsdp", "expert", "context"))         # vocab, embed
+  assert parallel.batch_spec() == P(("data", "fsdp", "expert"), "context")
 
 
 @pytest.mark.parametrize("sizes,field", [
@@ -205,7 +206,7 @@ def test_embedding_lookup_and_its_gradient_stay_sharded(sizes):
   rows1 = np.take(table, tokens, axis=0)
   grad1 = np.zeros_like(table)
   np.add.at(grad1, tokens, cot)
-  table_sh = NamedSharding(mesh, P("tensor", ("fsdp", "expert")))   # (vocab, embed) by the rules
+  table_sh = NamedSharding(mesh, axes.logical_to_spec(("vocab", "embed"), parallel.RULES))
   placed = (jax.device_put(table, table_sh),
             jax.device_put(tokens, NamedSharding(mesh, parallel.batch_spec())))
   with axes.use_rules(mesh, parallel.RULES):

@@ -41,7 +41,7 @@ def _one_step(microbatches, loss_chunk=0):
   k3config.validate(cfg)
   mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:4])
   prog = program.build(cfg, mesh)
-  batch = jax.device_put(_batch(cfg), prog.batch_sharding)
+  batch = jax.device_put(_batch(cfg), prog.batch_shardings)
   with prog.rules():
     state = prog.init()
     *state, out = prog.train_step(*state, batch)
@@ -161,7 +161,7 @@ def test_cast_params_once_gives_the_same_step():
     cfg.train.xla_options = "xla_allow_excess_precision=false"
     k3config.validate(cfg)
     prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
-    batch = jax.device_put(_batch(cfg), prog.batch_sharding)
+    batch = jax.device_put(_batch(cfg), prog.batch_shardings)
     with prog.rules():
       state = prog.init()
       text = prog.train_step.lower(*state, batch).as_text()

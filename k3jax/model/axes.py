@@ -5,6 +5,7 @@ Every parameter and activation of the model is annotated with logical axis names
 to mesh axes; the model never names a device axis.
 
   batch      sequences in a batch            seq        positions in a sequence
+  kv_seq     positions of attention keys (never split: each device sees all of its rows')
   embed      model width d                   vocab      vocabulary
   heads      attention heads                 head_dim   per-head q/k/v width
   q_lora     MLA query low rank              kv_lora    MLA key/value low rank
@@ -17,6 +18,7 @@ to mesh axes; the model never names a device axis.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Sequence
 
@@ -79,6 +81,29 @@ def logical_to_spec(names: AxisNames, rules=None) -> PartitionSpec:
     used.update(axes)
     spec.append(axes[0] if len(axes) == 1 else (axes or None))
   return PartitionSpec(*spec)
+
+
+def mesh_axes(name: str) -> tuple[str, ...]:
+  """The mesh axes the rules map the logical axis `name` to (empty: none)."""
+  entry = logical_to_spec((name,))[0]
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def split_ways(name: str) -> int:
+  """Into how many parts the installed mesh splits the logical axis `name` (1 without one)."""
+  if _ctx.mesh is None:
+    return 1
+  return math.prod(_ctx.mesh.shape[a] for a in mesh_axes(name))
+
+
+def split_axes(name: str) -> str | tuple[str, ...] | None:
+  """The mesh axes the logical axis `name` splits over on the installed mesh (as a
+  PartitionSpec entry), or None where there is no mesh or they are all of size 1. What a
+  kernel's `shard_map` needs to know, e.g. whether a sequence is split (context
+  parallelism) and over which axes."""
+  if split_ways(name) == 1:
+    return None
+  return logical_to_spec((name,))[0]
 
 
 def constrain(x: jax.Array, names: AxisNames) -> jax.Array:

@@ -7,8 +7,9 @@ reducing it (k3_full: 4.4 GiB per device each way). `lookup` spells the exchange
 under `jax.shard_map` on the mesh of `axes.use_rules`, with a device's share of the table
 [V / vocab ways, d / embed ways] the only table it ever holds:
 
-  1. all-gather the token ids over the mesh axes of `embed` (they split the batch too):
-     the ids of every device that holds another slice of the width;
+  1. all-gather the token ids over the mesh axes of `embed` (they split the batch rows or,
+     under context parallelism, the positions too): the ids of every device that holds
+     another slice of the width;
   2. look them up in the local slice (vocab split over `tensor`: rows outside the slice are
      zero and the slices are summed) -> [rows of the group, T, d / embed ways];
   3. all-to-all over the same axes: each device gets its own rows at full width.
@@ -36,20 +37,28 @@ def lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
   """table [V, d] (logical axes vocab, embed), tokens [B, T] int -> rows [B, T, d] in `dtype`,
   equal to `jnp.take(table, tokens, axis=0).astype(dtype)`.
 
-  Without rules, or with rules whose `embed` axes do not all split the batch, it is that
-  `jnp.take`."""
+  Without rules, or with rules whose `embed` axes do not all split the tokens (their batch
+  rows or, under context parallelism, their positions), it is that `jnp.take`."""
   mesh = axes.current_mesh()
   if mesh is None:
     return jnp.take(table, tokens, axis=0).astype(dtype)
   vocab, embed = (_mesh_axes(a) for a in axes.logical_to_spec(("vocab", "embed")))
-  batch = _mesh_axes(axes.logical_to_spec(("batch",))[0])
-  if not set(embed) <= set(batch) or set(vocab) & set(batch):
+  batch, seq = (_mesh_axes(a) for a in axes.logical_to_spec(("batch", "seq")))
+  if not set(embed) <= set(batch) | set(seq) or set(vocab) & (set(batch) | set(seq)):
+    return jnp.take(table, tokens, axis=0).astype(dtype)
+  # The width is split over `embed` in its order; its axes that split rows are gathered
+  # along B, those that split positions along T.
+  by_rows = tuple(a for a in embed if a in batch)
+  by_pos = tuple(a for a in embed if a in seq)
+  if embed != by_rows + by_pos:
     return jnp.take(table, tokens, axis=0).astype(dtype)
 
   def local(table, tokens):
-    """table [V / vocab ways, d / embed ways]; tokens [b_loc, T] -> [b_loc, T, d]."""
-    if embed:
-      tokens = jax.lax.all_gather(tokens, embed, axis=0, tiled=True)   # [group rows, T]
+    """table [V / vocab ways, d / embed ways]; tokens [b_loc, t_loc] -> [b_loc, t_loc, d]."""
+    if by_rows:
+      tokens = jax.lax.all_gather(tokens, by_rows, axis=0, tiled=True)
+    if by_pos:
+      tokens = jax.lax.all_gather(tokens, by_pos, axis=1, tiled=True)  # [group rows, T, ...]
     if vocab:
       v_loc = table.shape[0]
       ids = tokens - jax.lax.axis_index(vocab) * v_loc
@@ -57,11 +66,14 @@ def lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
       rows = jnp.take(table, jnp.clip(ids, 0, v_loc - 1), axis=0)
       rows = jax.lax.psum(jnp.where(inside[..., None], rows, 0).astype(dtype), vocab)
     else:
-      rows = jnp.take(table, tokens, axis=0).astype(dtype)             # [group rows, T, d_loc]
-    if embed:
-      rows = jax.lax.all_to_all(rows, embed, 0, 2, tiled=True)         # [b_loc, T, d]
+      rows = jnp.take(table, tokens, axis=0).astype(dtype)             # [rows, T, d_loc]
+    # Back to this device's tokens at full width: the minor width axes first.
+    if by_pos:
+      rows = jax.lax.all_to_all(rows, by_pos, 1, 2, tiled=True)
+    if by_rows:
+      rows = jax.lax.all_to_all(rows, by_rows, 0, 2, tiled=True)       # [b_loc, t_loc, d]
     return rows
 
-  rows_spec = P(batch or None, None)
+  rows_spec = P(batch or None, seq or None)
   return jax.shard_map(local, mesh=mesh, in_specs=(P(vocab or None, embed or None), rows_spec),
-                       out_specs=P(batch or None, None, None))(table, tokens)
+                       out_specs=P(batch or None, seq or None, None))(table, tokens)

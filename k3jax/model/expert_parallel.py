@@ -6,7 +6,8 @@ spelled out rather than left to XLA. With ep devices on the mesh axis of the `ex
 rule (`expert`), each of them:
 
   1. builds the buffers [E, rows_local, C, L] of its own rows from its own z (the capacity
-     is per row, so this is exactly the unsharded dispatch's slice);
+     is per row, so this is exactly the unsharded dispatch's slice; under context
+     parallelism a row is the device's slice of a sequence);
   2. all-to-all over `expert`: sends expert block j to peer j and receives, for its E/ep
      local experts, the buffers of all ep peers: [E/ep, ep * rows_local, C, L];
   3. runs its local experts as one batched matmul (`batched_glu_experts`);
@@ -71,8 +72,8 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
   """The capacity dispatch with experts split over the mesh axis of `experts`.
 
   z: [B, T, L]; idx: [B, T, k] int32; weights: [B, T, k] fp32; w_g, w_u: [E, L, H];
-  w_d: [E, H, L]; act: the fp32 GLU activation; capacity: pairs per expert per row.
-  The mesh and the specs come from `axes.use_rules`; without it, `capacity_moe` runs on
+  w_d: [E, H, L]; act: the fp32 GLU activation; capacity: pairs per expert per row (per
+  device's slice of a row where the rules split `seq`: context parallelism). The mesh and the specs come from `axes.use_rules`; without it, `capacity_moe` runs on
   one device. Returns (u [B, T, L] fp32, kept [B, T, k] bool), equal to `capacity_moe`'s.
   """
   b, t, k = idx.shape
@@ -84,10 +85,11 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
                            weights.reshape(b * t, k), experts, num_experts, b, capacity)
     return u.reshape(b, t, -1), kept.reshape(b, t, k)
   batch, ep, lat, hid = _layout(mesh, num_experts, "expert_parallel")
+  seq = _mesh_axes(axes.logical_to_spec(("seq",))[0])
 
   def local(z, idx, weights, w_g, w_u, w_d):
-    """One device: its rows [b_loc, T, ...], its experts [E/ep, L/fsdp, H/tensor]."""
-    bl = z.shape[0]
+    """One device: its rows [b_loc, t_loc, ...], its experts [E/ep, L/fsdp, H/tensor]."""
+    bl, t = z.shape[:2]
     w_g, w_u, w_d = _gather_latent(w_g, w_u, w_d, dtype, lat)
     run = batched_glu_experts(w_g, w_u, w_d, act, dtype)
 
@@ -108,7 +110,8 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
       u = jax.lax.psum(u, hid)  # the partial sums of each tensor peer's slice of H
     return u.reshape(bl, t, -1), kept.reshape(bl, t, k)
 
-  rows = P(batch or None, None, None)  # whole sequences: capacity is per row
+  rows = P(batch or None, seq or None, None)  # capacity is per row (per slice of a row
+                                             # under context parallelism)
   stack_in, stack_out = P(ep or None, lat or None, hid or None), P(ep or None, hid or None,
                                                                    lat or None)
   return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, stack_in, stack_in,
@@ -204,10 +207,11 @@ def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Arra
                      experts, num_experts)
     return u.reshape(b, t, -1)
   batch, ep, lat, hid = _layout(mesh, num_experts, "expert_parallel_dropless")
+  seq = _mesh_axes(axes.logical_to_spec(("seq",))[0])
 
   def local(z, idx, weights, w_g, w_u, w_d):
-    """One device: its rows [b_loc, T, ...], its experts [E/ep, L/fsdp, H/tensor]."""
-    bl = z.shape[0]
+    """One device: its rows [b_loc, t_loc, ...], its experts [E/ep, L/fsdp, H/tensor]."""
+    bl, t = z.shape[:2]
     run = ragged_glu_experts(*_gather_latent(w_g, w_u, w_d, dtype, lat), act, dtype,
                              gmm_backend, platform)
     experts = ((lambda rows, sizes: _ragged_exchange(run, rows, sizes, ep[0]))
@@ -221,7 +225,7 @@ def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Arra
       u = jax.lax.psum(u, hid)  # the partial sums of each tensor peer's slice of H
     return u.reshape(bl, t, -1)
 
-  rows = P(batch or None, None, None)
+  rows = P(batch or None, seq or None, None)
   stack_in, stack_out = P(ep or None, lat or None, hid or None), P(ep or None, hid or None,
                                                                    lat or None)
   return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, stack_in, stack_in,

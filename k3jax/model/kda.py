@@ -76,7 +76,8 @@ class KDA(nnx.Module):
     """y [B, T, d] and an empty aux (mixers return (y, aux), see `MLA`)."""
     act = ("batch", "seq", "heads", "head_dim")
     spec = axes.logical_to_spec(act)   # where q/k/v live, for the kernels' shard_map
-    where = dict(mesh=axes.current_mesh(), batch_axis=spec[0], head_axis=spec[2])
+    where = dict(mesh=axes.current_mesh(), batch_axis=spec[0], head_axis=spec[2],
+                 seq_axis=axes.split_axes("seq"))
 
     def conv(proj, weight, normalize):  # silu(short conv), L2-normalized for q and k
       return constrain(conv_ops.short_conv(proj(x), weight[...], segment_ids,

@@ -64,7 +64,8 @@ def route_per_device(scores: jax.Array, bias: jax.Array, k: int):
   mesh = axes.current_mesh()
   if mesh is None:
     return qb.route(scores, bias, k)
-  rows = PartitionSpec(axes.logical_to_spec(("batch",))[0])
+  # N = B x T flattened: rows split over the batch's mesh axes, then the positions'
+  rows = PartitionSpec(axes.mesh_axes("batch") + axes.mesh_axes("seq") or None)
   return jax.shard_map(functools.partial(qb.route, k=k), mesh=mesh,
                        in_specs=(rows, PartitionSpec()), out_specs=rows)(scores, bias)
 
@@ -151,7 +152,9 @@ class LatentMoE(nnx.Module):
                                        self.dtype, self.gmm_backend, platform)
       dropped = jnp.zeros((), jnp.int32)
     else:
-      capacity = max(1, math.ceil(self.capacity_factor * t * k / n_exp))  # per row
+      # per row; under context parallelism per device's slice of a row (`slices` of it)
+      slices = axes.split_ways("seq")
+      capacity = max(1, math.ceil(self.capacity_factor * (t // slices) * k / n_exp))
       if dispatch == "expert_parallel":
         u, kept = expert_parallel_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k),
                                       self.w_g[...], self.w_u[...], self.w_d[...], act,
@@ -160,7 +163,7 @@ class LatentMoE(nnx.Module):
         experts = batched_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act,
                                       self.dtype)
         u, kept = capacity_moe(z.reshape(n, -1).astype(self.dtype), idx, w, experts, n_exp,
-                               b, capacity)
+                               b * slices, capacity)
       dropped = jnp.sum(~kept.reshape(n, k) & flat_valid[:, None], dtype=jnp.int32)
     u = constrain(u.reshape(b, t, -1), ("batch", "seq", "latent"))  # fp32
     y = self.w_up(self.latent_norm(u).astype(self.dtype))

@@ -28,6 +28,7 @@ from pallas_kernels.attention import attention_mask  # noqa: F401  (re-exported:
 
 BTE = ("batch", "seq", "embed")
 BTHD = ("batch", "seq", "heads", "head_dim")
+KV = ("batch", "kv_seq", "heads", "head_dim")   # keys and values: all positions of a row
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
@@ -44,7 +45,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
   return attention_ops.attention(q, k, v, segment_ids, scale=scale, causal=True,
                                  backend=backend, return_max_logit=True,
                                  mesh=axes.current_mesh(), batch_axis=spec[0],
-                                 head_axis=spec[2])
+                                 head_axis=spec[2], seq_axis=axes.split_axes("seq"))
 
 
 class MLA(nnx.Module):
@@ -73,19 +74,23 @@ class MLA(nnx.Module):
     self.w_o = Dense((h, self.v_dim), d, ("heads", "head_dim", "embed"), **dense)
 
   def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [B, T, H, nope+rope], k [B, T, H, nope+rope] (shared rope slot), v [B, T, H, v]."""
+    """q [B, T, H, nope+rope], k [B, T, H, nope+rope] (shared rope slot), v [B, T, H, v].
+
+    Under context parallelism (`seq` split over devices) q keeps the device's positions
+    while k and v cover every position of its rows (`KV`): the compressed c_kv and k_r
+    (kv_lora + rope values a token) are what crosses devices, then expanded on each."""
     x = constrain(x.astype(self.dtype), BTE)
     c_q = constrain(self.q_norm(self.wq_a(x)), ("batch", "seq", "q_lora"))
     q = constrain(self.wq_b(c_q), BTHD)
     kv_a = self.wkv_a(x)                                                 # [B, T, kv_lora + rope]
-    c_kv = constrain(self.kv_norm(kv_a[..., :self.kv_lora]), ("batch", "seq", "kv_lora"))
-    k_r = constrain(kv_a[..., self.kv_lora:], ("batch", "seq", "head_dim"))  # [B, T, rope]
-    kv = constrain(self.wkv_b(c_kv), BTHD)                               # [B, T, H, nope + v]
+    c_kv = constrain(self.kv_norm(kv_a[..., :self.kv_lora]), ("batch", "kv_seq", "kv_lora"))
+    k_r = constrain(kv_a[..., self.kv_lora:], ("batch", "kv_seq", "head_dim"))  # [B, T, rope]
+    kv = constrain(self.wkv_b(c_kv), KV)                                 # [B, T, H, nope + v]
     k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
     # shared by the heads; broadcast in fp32 so that its gradient sums the heads in fp32
     k_r = jnp.broadcast_to(k_r.astype(jnp.float32)[:, :, None, :],
                            (*k_r.shape[:2], self.num_heads, self.rope)).astype(k_r.dtype)
-    k = constrain(jnp.concatenate([k_nope, k_r], axis=-1), BTHD)
+    k = constrain(jnp.concatenate([k_nope, k_r], axis=-1), KV)
     return q, k, v
 
   def heads(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:

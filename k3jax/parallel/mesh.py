@@ -3,10 +3,13 @@
   data    pure data parallelism (parameters replicated across it)
   fsdp    data parallelism with parameters and optimizer state sharded across it
   expert  data parallelism for the dense parts, routed experts split across it
+  context the positions of each sequence split across it (context parallelism); weights
+          are sharded across it as across fsdp
   tensor  heads and FFN widths split across it (within a layer)
 
-Batches are split over data x fsdp x expert; the rules in `sharding.py` say which
-logical axis of which array goes where.
+Batches are split over data x fsdp x expert along rows and over context along positions;
+the rules in `sharding.py` say which logical axis of which array goes where. Axes further
+right get devices closer together (tensor, then context, exchange the most).
 
 Several TPU slices (multi-slice, joined by the data-centre network, DCN) form one hybrid
 mesh: `mesh.dcn_<axis>` of the `mesh.<axis>` ways run across slices, the rest
@@ -33,7 +36,7 @@ from jax.sharding import Mesh
 
 from k3jax.config import ConfigError
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 
 def mesh_shape(cfg_mesh: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:

@@ -19,10 +19,11 @@ from k3jax.model.axes import axis_names, is_variable, logical_to_spec
 
 RULES = (
     ("batch", ("data", "fsdp", "expert")),
-    # weights: FSDP shards the model width over every device that holds other rows of the
-    # batch, the expert axis included (else the expert axis would hold copies of them)
-    ("embed", ("fsdp", "expert")),
-    ("latent", "fsdp"),      # routed-expert stacks (already split over expert by `experts`)
+    ("seq", "context"),
+    # weights: FSDP shards the model width over every device that holds other tokens of the
+    # batch, the expert and context axes included (else they would hold copies of them)
+    ("embed", ("fsdp", "expert", "context")),
+    ("latent", ("fsdp", "context")),  # routed-expert stacks (split over expert by `experts`)
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("vocab", "tensor"),

@@ -1,13 +1,17 @@
 """Kimi Delta Attention ops: `kda` dispatches to a backend; all share one contract
 (arrays [B, T, H, ...], see `kda_naive`)."""
 
+import functools
+import math
+
 from pallas_kernels.kda.chunk import LOWER_BOUND, kda_chunk
+from pallas_kernels.kda.context import kda_context, kda_context_sharded
 from pallas_kernels.kda.naive import kda_naive
 from pallas_kernels.kda.pallas import default_chunk, kda_pallas, kda_pallas_sharded
 from pallas_kernels.platform import target_platform
 
-__all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", "kda_naive",
-           "kda_pallas"]
+__all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", "kda_context",
+           "kda_naive", "kda_pallas"]
 
 # "kernel": the Pallas kernels compiled for the target platform (Triton on GPU, Mosaic on
 # TPU); "interpret": the same kernels in Pallas interpret mode (any device, slow);
@@ -32,16 +36,24 @@ def default_chunk_size(backend: str, platform: str) -> int:
   return default_chunk(platform) if backend == "kernel" else 64
 
 
+def _ways(mesh, axes) -> int:
+  """How many devices of `mesh` the mesh axis or axes `axes` span."""
+  names = (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in names)
+
+
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
         segment_ids=None, output_final_state=False, chunk_size=None, sub_chunk_size=16,
-        mesh=None, batch_axis=None, head_axis=None, platform=None):
+        mesh=None, batch_axis=None, head_axis=None, seq_axis=None, platform=None):
   """KDA through the named backend (one of BACKENDS).
 
   chunk_size and sub_chunk_size apply to "chunk" and the kernels; chunk_size None: the
-  backend's `default_chunk_size` on the platform (the result does not depend on it beyond
-  rounding). mesh, batch_axis, head_axis: where the arrays are sharded (mesh axis names,
+  backend's `default_chunk_size` on the platform, halved under seq_axis until it divides
+  each device's slice (the result does not depend on it beyond rounding). mesh, batch_axis, head_axis: where the arrays are sharded (mesh axis names,
   or None); the kernels then run per device under `shard_map` (a Pallas call is not
-  partitioned by XLA), the pure-JAX backends ignore them. platform: what the program is
+  partitioned by XLA), the pure-JAX backends ignore them. seq_axis: the mesh axis that
+  splits T (context parallelism); every backend then runs per device on its slice, the
+  states chained across the axis (`context.py`). platform: what the program is
   compiled for ("gpu", "tpu", "cpu"); None: the platform of the mesh's devices, else
   `jax.default_backend()`. A mesh over a compile-only TPU topology (`k3jax.aot`) thus gets
   the Mosaic kernels on a CPU host. Returns what the backend returns: o [B, T, H, V],
@@ -52,16 +64,25 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   platform = target_platform(mesh, platform)
   if backend not in BACKENDS:
     raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")
-  chunk_size = chunk_size or default_chunk_size(backend, platform)
+  split = mesh is not None and seq_axis is not None
+  if not chunk_size:
+    chunk_size = default_chunk_size(backend, platform)
+    while split and chunk_size > 16 and (q.shape[1] // _ways(mesh, seq_axis)) % chunk_size:
+      chunk_size //= 2   # whole chunks in each device's slice
   backend = resolve_backend(backend, platform)
-  if backend == "chunk":
-    return kda_chunk(q, k, v, g, beta, chunk_size=chunk_size,
-                     sub_chunk_size=sub_chunk_size, **common)
-  if backend == "naive":
-    return kda_naive(q, k, v, g, beta, **common)
-  interpret = backend == "interpret"  # else "kernel"
+  interpret = backend == "interpret"
   kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, interpret=interpret,
                 platform="cpu" if interpret else platform)
+  run = {"chunk": functools.partial(kda_chunk, chunk_size=chunk_size,
+                                    sub_chunk_size=sub_chunk_size),
+         "naive": kda_naive}.get(backend, functools.partial(kda_pallas, **kernel))
+  if split:
+    return kda_context_sharded(functools.partial(run, scale=scale), q, k, v, g, beta,
+                               mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
+                               head_axis=head_axis, initial_state=initial_state,
+                               segment_ids=segment_ids, output_final_state=output_final_state)
+  if backend in ("chunk", "naive"):
+    return run(q, k, v, g, beta, **common)
   if mesh is not None and (batch_axis is not None or head_axis is not None):
     return kda_pallas_sharded(q, k, v, g, beta, mesh=mesh, batch_axis=batch_axis,
                               head_axis=head_axis, **kernel, **common)

@@ -8,13 +8,16 @@ a custom VJP; interpret mode on any device).
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.platform import target_platform
 from pallas_kernels.short_conv.kernel import short_conv_pallas
 from pallas_kernels.short_conv.reference import short_conv_reference
 
-__all__ = ["BACKENDS", "short_conv", "short_conv_pallas", "short_conv_reference"]
+__all__ = ["BACKENDS", "short_conv", "short_conv_pallas", "short_conv_reference", "with_halo"]
 
 # "reference": plain JAX; "kernel": the Triton kernels (GPU only); "interpret": the same
 # kernels in Pallas interpret mode (any device, slow, for tests); "auto": "kernel" on GPU,
@@ -24,27 +27,52 @@ BACKENDS = ("reference", "kernel", "interpret", "auto")
 
 def short_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                normalize: bool = False, backend: str = "reference", mesh=None,
-               batch_axis=None, head_axis=None, platform=None) -> jax.Array:
+               batch_axis=None, head_axis=None, seq_axis=None, platform=None) -> jax.Array:
   """silu(causal depthwise conv of x) [B, T, H, D] in x's dtype, L2-normalized over D if
   `normalize`; x [B, T, H, D], weight [W, H, D], segment_ids [B, T] (see
   `short_conv_reference`). mesh, batch_axis, head_axis: where x is sharded; the kernels then
   run per device under `shard_map` (nothing is communicated: rows and heads are
-  independent). platform: as in `pallas_kernels.kda.kda`."""
+  independent). seq_axis: the mesh axis splitting T (context parallelism); every backend
+  then runs per device, on its slice behind the W - 1 tokens before it (`with_halo`).
+  platform: as in `pallas_kernels.kda.kda`."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown short-conv backend {backend!r}; choose one of {BACKENDS}")
   if backend == "auto":
     backend = "kernel" if target_platform(mesh, platform) == "gpu" else "reference"
-  if backend == "reference":
-    return short_conv_reference(x, weight, segment_ids, normalize=normalize)
 
   def local(x, weight, segment_ids):
+    if backend == "reference":
+      return short_conv_reference(x, weight, segment_ids, normalize=normalize)
     return short_conv_pallas(x, weight, segment_ids, normalize=normalize,
                              interpret=backend == "interpret")
 
-  if mesh is None or (batch_axis is None and head_axis is None):
+  if mesh is not None and seq_axis is not None:
+    local = functools.partial(with_halo, local, axis=seq_axis)
+  elif mesh is None or backend == "reference" or (batch_axis is None and head_axis is None):
     return local(x, weight, segment_ids)
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-  tok = P(batch_axis, None, head_axis)
+  tok = P(batch_axis, seq_axis, head_axis)
   # check_vma=False: pallas_call's outputs carry no varying-axes annotation.
-  return jax.shard_map(local, mesh=mesh, in_specs=(tok, P(None, head_axis), P(batch_axis)),
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(tok, P(None, head_axis), P(batch_axis, seq_axis)),
                        out_specs=tok, check_vma=False)(x, weight, segment_ids)
+
+
+def with_halo(conv, x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *, axis):
+  """conv(x, weight, segment_ids) on one device's slice of T (inside `shard_map` over
+  `axis`), reading the W - 1 tokens before the slice from the previous device: they are
+  prepended (zeros on the first device, which a causal conv reads as its own padding) and
+  their outputs dropped."""
+  halo = weight.shape[0] - 1
+  if halo == 0:
+    return conv(x, weight, segment_ids)
+  if halo > x.shape[1]:
+    raise ValueError(f"short_conv: a slice of {x.shape[1]} tokens is shorter than the "
+                     f"{halo} tokens the taps read before it")
+  n = jax.lax.axis_size(axis)
+  prev = [(j, j + 1) for j in range(n - 1)]
+  x_prev, ids_prev = (jax.lax.ppermute(a[:, -halo:], axis, perm=prev)
+                      for a in (x, segment_ids))
+  out = conv(jnp.concatenate([x_prev, x], axis=1), weight,
+             jnp.concatenate([ids_prev, segment_ids], axis=1))
+  return out[:, halo:]
