@@ -1,7 +1,9 @@
 """pallas_kernels.attention: the flash backends (Pallas interpret mode on CPU) against the
 dense reference -- outputs, every gradient and the QK-Clip max logit -- with packed
 segments, padding, a shared key, Dqk != Dv and T off the block; what "auto" lowers to per
-platform; the kernels under shard_map (CPU mesh, TPU AOT); the config fields."""
+platform; the kernels under shard_map (CPU mesh, TPU AOT); causal attention with the
+queries split along T (context parallelism) against the unsharded reference; the config
+fields."""
 
 import functools
 
@@ -9,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_model
+from conftest import jaxpr_eqns, random_model
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -168,6 +170,91 @@ def test_sharded_on_cpu_mesh():
                      backend="flash", mesh=mesh, seq_axis="data", head_axis="tensor")[0]
   got = jax.jit(jax.vmap(vision))(q, k, v, ids)
   check_close(got, run("dense", causal=False))
+
+
+CP_IDS = np.array([[1] * 21 + [2] * 11 + [5] * 18 + [0] * 3 + [6] * 11,  # 5 starts at T/2
+                   [0] * 16 + [3] * 40 + [0] * 8,       # starts at a slice boundary (c 4, 8)
+                   [0] * 64,                            # all padding
+                   [4] * 64], np.int32)                 # one document across every slice
+# c: (mesh shape over ("data", "context", "tensor"), batch_axis, seq_axis)
+CP_LAYOUTS = [(2, (2, 2, 2), "data", "context"), (4, (1, 4, 2), "data", "context"),
+              (4, (2, 2, 2), None, ("data", "context")), (8, (1, 8, 1), "data", "context")]
+
+
+@functools.cache
+def cp_inputs(key_heads):
+  """q [4, 64, 2, 16], k [4, 64, key_heads, 16], v [4, 64, 2, 8] and the weights of the
+  summed output; ids CP_IDS."""
+  b, t, h = CP_IDS.shape + (2,)
+  return (randn(20, b, t, h, 16), randn(21, b, t, key_heads, 16), randn(22, b, t, h, 8),
+          randn(23, b, t, h, 8))
+
+
+def cp_run(backend, q, k, v, w, **kw):
+  """Output, max logit and d(sum(out * w))/d(q, k, v) of causal attention over CP_IDS."""
+  def loss(q, k, v):
+    out, logit = attention(q, k, v, jnp.asarray(CP_IDS), scale=0.3, causal=True,
+                           backend=backend, return_max_logit=True, **kw)
+    return jnp.sum(out * w), (out, logit)
+  (_, (out, logit)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+  return out, logit, grads
+
+
+@pytest.mark.parametrize("backend", ["dense", "flash"])
+@pytest.mark.parametrize("c, shape, batch_axis, seq_axis", CP_LAYOUTS)
+def test_context_parallel_matches_dense(backend, c, shape, batch_axis, seq_axis):
+  """Causal attention with the queries split into c slices along T (seq_axis: one mesh axis,
+  or a tuple whose linear index orders the slices), heads over tensor, rows over
+  batch_axis: documents crossing slice boundaries or starting on one, padding, an
+  all-padding row. Output, max logit and every gradient equal the unsharded reference."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(shape), ("data", "context", "tensor"))
+  q, k, v, w = cp_inputs(1 if isinstance(seq_axis, str) else 2)
+  out, logit, grads = cp_run(backend, q, k, v, w, mesh=mesh, batch_axis=batch_axis,
+                             head_axis="tensor", seq_axis=seq_axis)
+  ref, ref_logit, ref_grads = cp_run("dense", q, k, v, w)
+  check_close(out, ref)
+  np.testing.assert_allclose(np.asarray(logit), np.asarray(ref_logit), rtol=1e-6)
+  for g, r in zip(grads, ref_grads):
+    check_close(g, r)
+
+
+def test_context_parallel_dense_scores_per_slice():
+  """Dense with seq_axis (c = 4): forward and backward hold [B, H, T/c, T] scores per device
+  (under shard_map), never [B, H, T, T]."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("context",))
+  q, k, v, w = cp_inputs(1)
+  t = q.shape[1]
+
+  def loss(q, k, v):
+    out = attention(q, k, v, jnp.asarray(CP_IDS), scale=0.3, causal=True, backend="dense",
+                    mesh=mesh, seq_axis="context")
+    return jnp.sum(out * w)
+  shapes = {tuple(o.aval.shape[-2:]) for e in jaxpr_eqns(jax.make_jaxpr(jax.grad(
+      loss, (0, 1, 2)))(q, k, v).jaxpr) for o in e.outvars if o.aval.ndim == 4}
+  assert (t // 4, t) in shapes and (t, t) not in shapes
+
+
+def test_tpu_aot_context_parallel_flash_fits():
+  """The flash path's gradient (with the max logit) with T split over context (c = 2) and
+  heads over tensor, compiled for a v5p 2x2x1: splash's Mosaic kernels, temporaries far
+  below one [B, H, T/c, T] fp32 score tensor per device (what dense would hold)."""
+  from tpu_aot import tpu_mesh  # noqa: PLC0415
+  mesh = tpu_mesh(("context", "tensor"), (2, 2))
+  b, t, h = 2, 4096, 4
+  shard = lambda shape, spec, dt=jnp.bfloat16: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dt, sharding=NamedSharding(mesh, spec))
+  args = (shard((b, t, h, 192), P(None, "context", "tensor")), shard((b, t, 1, 192), P()),
+          shard((b, t, h, 128), P(None, "context", "tensor")), shard((b, t), P(), jnp.int32))
+
+  def loss(q, k, v, ids):
+    out, logit = attention(q, k, v, ids, scale=0.1, causal=True, return_max_logit=True,
+                           mesh=mesh, head_axis="tensor", seq_axis="context")
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(logit)
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)
+  assert "tpu_custom_call" in lowered.as_text()
+  stats = lowered.compile().memory_analysis()
+  scores = b * (h // 2) * (t // 2) * t * 4
+  assert 0 < stats.temp_size_in_bytes < scores / 4
 
 
 def test_tpu_aot_sharded_flash_fits():

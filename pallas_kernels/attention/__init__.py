@@ -3,7 +3,8 @@ dispatches to a backend; all share one contract (see `attention`).
 
 Modules: `reference.py` (dense masked form: the reference, [B, H, T, T] fp32 scores),
 `flash.py` (JAX's Pallas library kernels: splash attention on TPU, Triton `mha` on GPU,
-and the QK-Clip max logit tile by tile).
+and the QK-Clip max logit tile by tile), `context.py` (causal attention with the queries
+split along T: context parallelism).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention.context import context_parallel, flash_tpu_window
 from pallas_kernels.attention.flash import flash_gpu, flash_tpu, max_logit, unique_padding_ids
 from pallas_kernels.attention.reference import attention_mask, attention_reference
 
@@ -61,19 +63,30 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
       QK-Clip), [H] fp32, no gradient; on the flash path `flash.max_logit` (one more q k^T
       pass, tile by tile).
     mesh, batch_axis, head_axis, seq_axis: where the arrays are sharded (mesh axis names or
-      tuples, or None): B over batch_axis, H over head_axis, and (non-causal only) the
-      query rows T over seq_axis. The kernels then run per device under `shard_map`; dense
-      ignores them (XLA partitions it). The GPU kernel takes one id array for queries and
-      keys, so it gathers T along seq_axis (each device computes all rows of its heads).
+      tuples, or None): B over batch_axis, H over head_axis, and the query rows T over
+      seq_axis (c equal contiguous slices; keys and values are gathered along T). The
+      kernels then run per device under `shard_map`; dense ignores them (XLA partitions
+      it) except causal with seq_axis: then it runs per device too, [B, H, T/c, T] fp32
+      scores each (`context.context_parallel`; splash: `context.flash_tpu_window`). The
+      GPU kernel takes one id array for queries and keys and no causal offset, so it
+      gathers T along seq_axis: each device computes all rows of its heads, c times the
+      work of its own rows (causal: T^2 / 2 scores against at most (c - 1/2) T^2 / c^2).
   Returns:
     [B, T, H, Dv] in v's dtype, and the max logit [H] if return_max_logit.
   """
   if backend not in BACKENDS:
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-  if causal and seq_axis is not None:
-    raise ValueError("causal attention with queries split along T (seq_axis) is not supported")
+  context = functools.partial(context_parallel, return_max_logit=return_max_logit,
+                              mesh=mesh, batch_axis=batch_axis, head_axis=head_axis,
+                              seq_axis=seq_axis)
+  split = causal and mesh is not None and seq_axis is not None
+
+  def dense_local(q, k, v, ids, q_offset):
+    return attention_reference(q, k, v, ids, scale=scale, causal=True, q_offset=q_offset)
 
   def dense(q, k, v):
+    if split:
+      return context(dense_local, q, k, v, segment_ids)
     out, logit_max = attention_reference(q, k, v, segment_ids, scale=scale, causal=causal)
     return (out, logit_max) if return_max_logit else out
 
@@ -92,10 +105,19 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
       return out, max_logit(q, k, segment_ids, scale=scale, causal=causal)
     return run
 
+  def windowed(interpret):    # causal with seq_axis: splash per query slice
+    def local(q, k, v, ids, q_offset):
+      out = flash_tpu_window(q, k, v, ids, q_offset, scale=scale, interpret=interpret)
+      if not return_max_logit:
+        return out, None
+      return out, max_logit(q, k, ids, scale=scale, causal=True, q_offset=q_offset)
+    return lambda q, k, v: context(local, q, k, v, segment_ids)
+
   tpu = functools.partial(flash_tpu, scale=scale, causal=causal)
   gpu = lambda q, k, v, ids, _: flash_gpu(q, k, v, ids, scale=scale, causal=causal)  # noqa: E731
   interpreted = functools.partial(tpu, interpret=True)
   forced = backend == "flash"
-  return jax.lax.platform_dependent(q, k, v, tpu=flash(tpu),
-                                    cuda=flash(gpu, gather_seq=True) if forced else dense,
-                                    default=flash(interpreted) if forced else dense)
+  return jax.lax.platform_dependent(
+      q, k, v, tpu=windowed(False) if split else flash(tpu),
+      cuda=flash(gpu, gather_seq=True) if forced else dense,
+      default=(windowed(True) if split else flash(interpreted)) if forced else dense)

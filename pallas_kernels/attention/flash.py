@@ -62,7 +62,8 @@ def flash_tpu(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids
               *, scale: float, causal: bool, interpret: bool = False,
               block: int = TPU_BLOCK) -> jax.Array:
   """Splash attention. q: [B, Tq, H, Dqk]; k: [B, Tk, H, Dqk]; v: [B, Tk, H, Dv];
-  q_ids [B, Tq], kv_ids [B, Tk] (from `unique_padding_ids`; causal needs Tq == Tk).
+  q_ids [B, Tq], kv_ids [B, Tk] (from `unique_padding_ids`). Causal aligns the queries with
+  the last Tq keys: query t sees keys s <= t + Tk - Tq (the usual mask when Tq == Tk).
   -> [B, Tq, H, Dv] in v's dtype. interpret: Pallas interpret mode (any platform).
   block: the largest q / kv block (a multiple of 128; T is padded to a block multiple)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415
@@ -70,7 +71,9 @@ def flash_tpu(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids
   tk = k.shape[1]
   bq, bkv = (min(block, _round_up(n, LANES)) for n in (tq, tk))
   tq_p, tk_p = _round_up(tq, bq), _round_up(tk, bkv)
-  mask = splash.CausalMask((tq_p, tk_p)) if causal else splash.FullMask((tq_p, tk_p))
+  # padded query rows see the padded key rows of their own ids (_pad_ids), none is empty
+  shape = (tq_p, tk_p)
+  mask = splash.CausalMask(shape, offset=tk - tq) if causal else splash.FullMask(shape)
   blocks = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
                              block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
                              block_q_dq=bq, block_kv_dq=bkv)
@@ -105,36 +108,42 @@ def flash_gpu(q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *, scale
 
 
 def max_logit(q: jax.Array, k: jax.Array, segment_ids: jax.Array, *, scale: float,
-              causal: bool, block: int = MAX_LOGIT_BLOCK) -> jax.Array:
+              causal: bool, q_offset=0, block: int = MAX_LOGIT_BLOCK) -> jax.Array:
   """Each head's largest pre-softmax logit over the real (segment != 0) queries and the
   keys they see, as the dense reference returns it: [H] fp32, no gradient.
 
-  q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk]; segment_ids [B, T] (0 = padding). Loops over
-  [block, block] tiles (skipping those above the diagonal when causal); live memory is one
-  fp32 tile [B, H, block, block]. Cost: the q k^T product once more, B H T^2 Dqk FLOPs
-  causal (2 B H T^2 Dqk not), i.e. the forward kernel's first matmul again; for K3's MLA
-  (Dqk 192, Dv 128) ~60% of the flash forward, ~17% of forward + backward.
+  q: [B, Tq, H, Dqk], the queries at positions q_offset .. q_offset + Tq - 1 (an int or a
+  traced scalar; default all T); k: [B, T, H or 1, Dqk]; segment_ids [B, T] (0 = padding).
+  Loops over [block, block] tiles (skipping those above the diagonal when causal); live
+  memory is one fp32 tile [B, H, block, block]. Cost: the q k^T product once more,
+  B H T^2 Dqk FLOPs causal (2 B H T^2 Dqk not), i.e. the forward kernel's first matmul
+  again; for K3's MLA (Dqk 192, Dv 128) ~60% of the flash forward, ~17% of forward +
+  backward.
   """
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k.astype(q.dtype))
-  b, t, h, d = q.shape
-  bs = min(block, t)
-  n = -(-t // bs)
-  tiles = lambda x: _pad_rows(x, n * bs).reshape(b, n, bs, *x.shape[2:])  # noqa: E731
-  qt, kt, st = tiles(q), tiles(k), tiles(segment_ids)   # padded rows get id 0: skipped
-  pos = jnp.arange(bs)
+  b, tq, h, _ = q.shape
+  t = k.shape[1]
+  bq, bk = min(block, tq), min(block, t)
+  nq, nk = -(-tq // bq), -(-t // bk)
+  tiles = lambda x, n, bs: _pad_rows(x, n * bs).reshape(b, n, bs, *x.shape[2:])  # noqa: E731
+  q_ids = jax.lax.dynamic_slice_in_dim(segment_ids, q_offset, tq, axis=1)
+  # padded rows get id 0: skipped
+  qt, sq = tiles(q, nq, bq), tiles(q_ids, nq, bq)
+  kt, sk = tiles(k, nk, bk), tiles(segment_ids, nk, bk)
 
   def tile_max(i, j, m):
-    qi, kj = (jax.lax.dynamic_index_in_dim(x, i_, 1, keepdims=False)
-              for x, i_ in ((qt, i), (kt, j)))
-    si, sj = (jax.lax.dynamic_index_in_dim(st, i_, 1, keepdims=False) for i_ in (i, j))
+    qi, si = (jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False) for x in (qt, sq))
+    kj, sj = (jax.lax.dynamic_index_in_dim(x, j, 1, keepdims=False) for x in (kt, sk))
     s = jnp.einsum("bthd,bshd->bhts", qi, kj, preferred_element_type=jnp.float32) * scale
-    see = (si[:, :, None] == sj[:, None, :]) & (si != 0)[:, :, None]    # [B, bs, bs]
+    see = (si[:, :, None] == sj[:, None, :]) & (si != 0)[:, :, None]    # [B, bq, bk]
     if causal:
-      see &= (i * bs + pos)[:, None] >= (j * bs + pos)[None, :]
+      q_pos, k_pos = q_offset + i * bq + jnp.arange(bq), j * bk + jnp.arange(bk)
+      see &= q_pos[:, None] >= k_pos[None, :]
     return jnp.maximum(m, jnp.max(jnp.where(see[:, None], s, -jnp.inf), axis=(0, 2, 3)))
 
   def row(i, m):
-    return jax.lax.fori_loop(0, i + 1 if causal else n, functools.partial(tile_max, i), m)
+    # causal: the key tiles up to the one holding this tile's last query
+    last = jnp.minimum(nk, (q_offset + (i + 1) * bq - 1) // bk + 1) if causal else nk
+    return jax.lax.fori_loop(0, last, functools.partial(tile_max, i), m)
 
-  return jax.lax.fori_loop(0, n, row, jnp.full((h,), -jnp.inf, jnp.float32))
-
+  return jax.lax.fori_loop(0, nq, row, jnp.full((h,), -jnp.inf, jnp.float32))

@@ -1,0 +1,75 @@
+"""Context parallelism for causal attention: the queries split along T into c equal
+contiguous slices over a mesh axis, each device holding all keys, values and ids of its
+rows. `context_parallel` runs a per-device function under `jax.shard_map` with its slice's
+global offset; `flash_tpu_window` is the splash kernel for one slice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.attention.flash import flash_tpu, unique_padding_ids
+
+
+def _names(*axes) -> tuple[str, ...]:
+  """The mesh axis names in axes (each None, a name or a tuple of names), in order."""
+  return tuple(n for a in axes if a is not None for n in ((a,) if isinstance(a, str) else a))
+
+
+def context_parallel(local, q, k, v, segment_ids, *, return_max_logit, mesh, batch_axis,
+                     head_axis, seq_axis):
+  """local(q, k, v, segment_ids, q_offset) -> (out, max logit [H] or None) per device.
+
+  q: [B, T, H, Dqk], k: [B, T, H or 1, Dqk], v: [B, T, H, Dv], segment_ids: [B, T]
+  (global views). Each device gets the queries q[:, o:o + T/c] with o = q_offset, its
+  linear index along seq_axis times T/c, and all T keys, values and ids of its rows.
+  Returns [B, T, H, Dv] and, if return_max_logit, the max logit [H] over all devices.
+  """
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+  c = math.prod(mesh.shape[a] for a in _names(seq_axis))
+  if q.shape[1] % c:
+    raise ValueError(f"T = {q.shape[1]} is not a multiple of the {c} slices of {seq_axis}")
+  n = q.shape[1] // c
+
+  def body(q, k, v, ids):
+    out, logit = local(q, k, v, ids, jax.lax.axis_index(seq_axis) * n)
+    if not return_max_logit:
+      return out
+    return out, jax.lax.pmax(logit, _names(batch_axis, seq_axis))
+
+  tok_q, tok_kv = P(batch_axis, seq_axis, head_axis), P(batch_axis, None, head_axis)
+  shared_k = P(batch_axis) if k.shape[2] == 1 else tok_kv   # one key for all heads
+  out_specs = (tok_q, P(head_axis)) if return_max_logit else tok_q
+  # check_vma=False: pallas_call's outputs carry no varying-axes annotation.
+  return jax.shard_map(body, mesh=mesh, in_specs=(tok_q, shared_k, tok_kv, P(batch_axis)),
+                       out_specs=out_specs, check_vma=False)(q, k, v, segment_ids)
+
+
+def flash_tpu_window(q, k, v, segment_ids, q_offset, *, scale, **kernel_kw):
+  """Causal splash attention for the n = Tq queries at q_offset (a traced multiple of n)
+  of a sequence of T keys. q: [B, n, H, Dqk]; k: [B, T, H, Dqk]; v: [B, T, H, Dv];
+  segment_ids [B, T] (0 = padding). -> [B, n, H, Dv]. kernel_kw: `flash_tpu`'s.
+
+  Splash masks are static but q_offset is not, so the kernel gets a window of the keys
+  instead: the first T - n keys, then the n keys of the diagonal block (those at q_offset),
+  under one static mask, causal with offset T - n (the prefix fully visible, the diagonal
+  block causal). Prefix keys at or after q_offset get an id no query has. Every device then
+  computes c - 1/2 blocks of T/c x T/c, what the last device needs anyway, with splash's own
+  backward. Rejected: merging per-block results by log-sum-exp (splash's VJP takes no
+  cotangent for its log-sum-exp: a backward of our own through private kernels, for the
+  same block count); a lax.switch over c static masks (c kernels to compile, no faster
+  step); splash's q_seq_shards mask sharding (mask info for all T x T, same step time).
+  """
+  n, t = q.shape[1], k.shape[1]
+  ids = unique_padding_ids(segment_ids)
+  window = lambda x: jnp.concatenate(                                 # noqa: E731
+      [x[:, :t - n], jax.lax.dynamic_slice_in_dim(x, q_offset, n, axis=1)], axis=1)
+  never = jnp.iinfo(ids.dtype).min    # below the ids of padding and of padded rows
+  prefix_ids = jnp.where(jnp.arange(t - n) < q_offset, ids[:, :t - n], never)
+  q_ids = jax.lax.dynamic_slice_in_dim(ids, q_offset, n, axis=1)
+  kv_ids = jnp.concatenate([prefix_ids, q_ids], axis=1)
+  return flash_tpu(q, window(k), window(v), q_ids, kv_ids, scale=scale, causal=True,
+                   **kernel_kw)
