@@ -218,6 +218,19 @@ def test_context_parallel_matches_dense(backend, c, shape, batch_axis, seq_axis)
     check_close(g, r)
 
 
+def test_context_parallel_gpu_gathers(monkeypatch):
+  """The GPU path with seq_axis (c = 4), run as lowered for CUDA with Triton interpreted:
+  it gathers T (each device computes all rows of its heads) and equals the reference."""
+  import pallas_kernels.attention as attention_ops  # noqa: PLC0415
+  monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, **_: cuda(*args))
+  monkeypatch.setattr(attention_ops, "flash_gpu", functools.partial(flash_gpu, interpret=True))
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "context"))
+  q, k, v, w = cp_inputs(1)
+  got = cp_run("flash", q, k, v, w, mesh=mesh, batch_axis="data", seq_axis="context")
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(cp_run("dense", q, k, v, w))):
+    check_close(g, r)
+
+
 def test_context_parallel_dense_scores_per_slice():
   """Dense with seq_axis (c = 4): forward and backward hold [B, H, T/c, T] scores per device
   (under shard_map), never [B, H, T, T]."""
