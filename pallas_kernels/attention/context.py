@@ -53,15 +53,17 @@ def flash_tpu_window(q, k, v, segment_ids, q_offset, *, scale, **kernel_kw):
   of a sequence of T keys. q: [B, n, H, Dqk]; k: [B, T, H, Dqk]; v: [B, T, H, Dv];
   segment_ids [B, T] (0 = padding). -> [B, n, H, Dv]. kernel_kw: `flash_tpu`'s.
 
-  Splash masks are static but q_offset is not, so the kernel gets a window of the keys
-  instead: the first T - n keys, then the n keys of the diagonal block (those at q_offset),
-  under one static mask, causal with offset T - n (the prefix fully visible, the diagonal
-  block causal). Prefix keys at or after q_offset get an id no query has. Every device then
-  computes c - 1/2 blocks of T/c x T/c, what the last device needs anyway, with splash's own
-  backward. Rejected: merging per-block results by log-sum-exp (splash's VJP takes no
-  cotangent for its log-sum-exp: a backward of our own through private kernels, for the
-  same block count); a lax.switch over c static masks (c kernels to compile, no faster
-  step); splash's q_seq_shards mask sharding (mask info for all T x T, same step time).
+  Splash masks are static and q_offset is not, so the kernel gets a window of the keys:
+  the first T - n, then the n of the diagonal block (those at q_offset), under one static
+  mask, causal with offset T - n (prefix visible, diagonal block causal); prefix keys at or
+  after q_offset get an id no query has. Each device computes c - 1/2 of the n x n blocks
+  (c = T / n; earlier devices some in vain), what the last device needs anyway: the step
+  takes as long as with per-device skipping. Splash's own backward; its mask tables cover
+  n x T (built in numpy when tracing, O(n T)). Rejected: (a) per-block results merged by
+  log-sum-exp (splash's VJP takes no log-sum-exp cotangent: a backward of our own through
+  its private kernels, for the same block count); (b) a lax.switch over c static masks (c
+  kernels to compile, no faster step); (c) splash's q_seq_shards, mask tables sharded over
+  the devices (tables for T x T, same step time; worth it only for a load-balanced layout).
   """
   n, t = q.shape[1], k.shape[1]
   ids = unique_padding_ids(segment_ids)
