@@ -128,3 +128,204 @@ def test_short_conv_slice_shorter_than_its_taps_is_refused():
   with pytest.raises(ValueError, match="shorter than the 3 tokens"):
     conv_ops.short_conv(x, np.zeros((4, 1, 16), np.float32), np.ones((1, 16), np.int32),
                         mesh=_mesh(8), seq_axis="context")
+
+
+# ------------------------------------------------------------------------- the whole model
+
+
+def _model_config():
+  """micro_config with one scanned cycle (9 layers: the first cycle, one scanned, the final
+  MLA)."""
+  from conftest import micro_config  # noqa: PLC0415
+  cfg = micro_config()
+  cfg.model.num_layers = 9
+  return cfg
+
+
+@functools.cache
+def _model_problem(t=64, b=4):
+  """`_model_config`'s model at test_parallel's well-conditioned point, on [b, t] tokens
+  with the documents of `_segments` (rows 2, 3 repeat rows 0, 1) and the loss and gradients
+  of one device."""
+  from test_parallel import _loss_and_grads, well_conditioned  # noqa: PLC0415
+  cfg = _model_config()
+  graphdef, params, rest = well_conditioned(cfg)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, 64, (b, t + 1)).astype(np.int32)
+  seg = np.concatenate([_segments(2, t)] * (b // 2))
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+           "weights": (seg > 0).astype(np.float32)}
+  loss, grads = jax.jit(functools.partial(_loss_and_grads, graphdef))(
+      nnx_pure(params), nnx_pure(rest), batch)
+  return cfg, graphdef, params, rest, batch, float(loss), jax.device_get(grads)
+
+
+def nnx_pure(state):
+  from flax import nnx  # noqa: PLC0415
+  return nnx.as_pure(state)
+
+
+@pytest.mark.parametrize("sizes,dispatch", [
+    (dict(context=8), "dropless"), (dict(data=2, context=4), "dropless"),
+    (dict(fsdp=2, context=2, tensor=2), "dropless"),
+    (dict(expert=2, fsdp=2, context=2), "expert_parallel"),
+    # (about a minute each on 2 cores)
+    pytest.param(dict(context=2), "dropless", marks=pytest.mark.slow),
+    pytest.param(dict(data=2, fsdp=2, context=2), "dropless", marks=pytest.mark.slow),
+    pytest.param(dict(expert=4, context=2), "capacity", marks=pytest.mark.slow)],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()))
+def test_model_split_over_context_equals_one_device(sizes, dispatch):
+  """The micro model's loss and every parameter's gradient with the sequence split over
+  `context` (alone and with data, fsdp, tensor and expert axes) equal one device's (fp32).
+  The capacity dispatches get room for every pair (capacity per slice of a row = E / k
+  times its pairs), so nothing is dropped on either side."""
+  from flax import nnx  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from k3jax import parallel  # noqa: PLC0415
+  from k3jax.model import K3Model, axes  # noqa: PLC0415
+  from test_parallel import _loss_and_grads  # noqa: PLC0415
+  _, graphdef, params, rest, batch, loss1, grads1 = _model_problem()
+  cfg = _model_config()
+  for axis in parallel.MESH_AXES:
+    cfg.mesh[axis] = sizes.get(axis, 1)
+  if dispatch != "dropless":
+    m = cfg.model
+    m.moe.dispatch, m.moe.capacity_factor = dispatch, m.moe.num_experts / m.moe.top_k
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))))
+  mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(list(sizes.values())))])
+  param_sh = parallel.shardings(mesh, params)
+  placed = (jax.device_put(nnx.as_pure(params), param_sh),
+            jax.device_put(nnx.as_pure(rest), parallel.shardings(mesh, rest)),
+            jax.device_put(batch, NamedSharding(mesh, parallel.batch_spec())))
+  with axes.use_rules(mesh, parallel.RULES):
+    loss, grads = jax.jit(functools.partial(_loss_and_grads, graphdef),
+                          out_shardings=(None, param_sh))(*placed)
+  np.testing.assert_allclose(float(loss), loss1, rtol=1e-5)
+  flat = dict(nnx.to_flat_state(grads))
+  for path, g1 in nnx.to_flat_state(grads1):
+    err = np.linalg.norm(np.asarray(flat[path]) - g1) / max(np.linalg.norm(g1), 1e-12)
+    assert err < 1e-4, (path, err)
+
+
+def _train_step(**sizes):
+  """One Muon train step of a 5-layer micro model (one scanned cycle, all MoE) on a mesh of
+  `sizes` over 4 devices, and an eval of the new state."""
+  from conftest import micro_config  # noqa: PLC0415
+  from test_steps import _batch  # noqa: PLC0415
+  from k3jax import config as k3config, parallel, program  # noqa: PLC0415
+  cfg = micro_config()
+  cfg.model.num_layers, cfg.model.dense_layers = 5, 0
+  cfg.train.seq_len, cfg.train.global_batch = 64, 4
+  cfg.optimizer.muon.ns_dtype = "float32"
+  for axis in parallel.MESH_AXES:
+    cfg.mesh[axis] = sizes.get(axis, 1)
+  k3config.validate(cfg)
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:4]))
+  batch = jax.device_put(_batch(cfg), prog.batch_shardings)
+  with prog.rules():
+    state = prog.init()
+    *state, out = prog.train_step(*state, batch)
+    eval_loss = prog.eval_step(state[0], state[1], batch)
+  return jax.device_get((state, out, eval_loss))
+
+
+@pytest.mark.xdist_group("context_parallel_train_step")  # its own worker: two compiles
+def test_train_step_split_over_context_equals_data_parallel():
+  """The whole train step (loss, per-head Muon with the weights also sharded over
+  `context`, Quantile Balancing, QK-Clip) with each sequence split over 2 devices equals
+  the step with whole sequences per device: the same loss, gradient norm, max logits and
+  updated state."""
+  (state1, out1, eval1) = _train_step(data=4)
+  (state, out, eval2) = _train_step(data=2, context=2)
+  for key in ("loss", "grad_norm", "mla_max_logit"):
+    np.testing.assert_allclose(out[key], out1[key], rtol=1e-5, err_msg=key)
+  np.testing.assert_allclose(eval2, eval1, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(state1)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "expert_parallel"])
+def test_moe_capacity_is_per_slice_of_a_row(dispatch):
+  """Under context parallelism a capacity buffer belongs to a device's slice of a row: the
+  LatentMoE layer with `context` = 2, with pairs dropped, equals the unsplit layer on the
+  batch cut into half rows ([B, T] -> [2B, T / 2]), outputs, drop counts and gradients."""
+  from flax import nnx  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from k3jax import parallel  # noqa: PLC0415
+  from k3jax.model.axes import use_rules  # noqa: PLC0415
+  from test_latent_moe import D, E, K, make  # noqa: PLC0415
+  _, module = make(dispatch=dispatch, capacity_factor=E / (K * 4))   # pairs are dropped
+  b, t = 2, 16
+  x = np.random.default_rng(3).standard_normal((b, t, D)).astype(np.float32)
+  cot = np.random.default_rng(4).standard_normal((b, t, D)).astype(np.float32)
+
+  def run(module, x, cot):
+    def loss(module, x):
+      y, aux = module(x)
+      return jnp.sum(y * cot), aux["dropped"]
+    (value, dropped), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        module, x)
+    return value, dropped, grads
+
+  half = lambda a: a.reshape(2 * b, t // 2, -1)  # noqa: E731
+  value1, dropped1, (gm1, gx1) = nnx.jit(run)(module, half(x), half(cot))
+  mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 2, 2, 1), parallel.MESH_AXES)
+  rules = [("batch", "expert"), ("seq", "context"), ("experts", "expert")]
+  with use_rules(mesh, rules):
+    x_sh = jax.device_put(x, NamedSharding(mesh, P("expert", "context")))
+    value, dropped, (gm, gx) = nnx.jit(run)(module, x_sh, cot)
+  assert int(dropped) == int(dropped1) > 0
+  np.testing.assert_allclose(float(value), float(value1), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(gx), np.asarray(gx1).reshape(b, t, D), rtol=1e-4,
+                             atol=1e-6)
+  for (path, a), (_, c) in zip(nnx.to_flat_state(nnx.state(gm)),
+                               nnx.to_flat_state(nnx.state(gm1))):
+    np.testing.assert_allclose(np.asarray(a[...]), np.asarray(c[...]), rtol=1e-4, atol=1e-6,
+                               err_msg=str(path))
+
+
+@pytest.mark.xdist_group("context_parallel_tpu")
+def test_context_parallel_train_step_compiles_for_a_v5p_slice():
+  """The tiny kernel config's whole train step with each sequence split over 2 chips of a
+  v5p 2x2x1 (data 2 x context 2) compiles for TPU: the KDA kernels run per slice as Mosaic
+  calls (their state chained by collective-permutes), MLA's splash attention per query
+  slice, and it fits a chip."""
+  from tpu_aot import tiny_kernel_config, tpu_mesh  # noqa: PLC0415
+  from k3jax import memory, parallel, program  # noqa: PLC0415
+  cfg = tiny_kernel_config()
+  cfg.mesh.fsdp, cfg.mesh.context = 1, 2
+  cfg.model.mla.attention = "auto"
+  prog = program.build(cfg, tpu_mesh(parallel.MESH_AXES, (2, 1, 1, 2, 1)))
+  hlo = prog.lower_train_step().as_text()
+  assert hlo.count("tpu_custom_call") >= 3  # KDA, splash attention, Newton-Schulz
+  assert "collective_permute" in hlo or "ppermute" in hlo
+  report, _ = memory.compile_report(prog)
+  assert report.fits and report.chips == 4
+
+
+@pytest.mark.slow
+def test_k3_tiny_trains_the_same_with_context_4(tmp_path):
+  """`python -m k3jax.train --config=experiments/k3_tiny.py --config.mesh.context=4` on the
+  8 simulated devices (data 2 x context 4) logs the losses of the run with whole sequences
+  per device (data 8). Capacity factor 4 = experts / top-k: no pair is dropped in either
+  run (a capacity buffer per slice of a row would otherwise drop other pairs)."""
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def losses(context):
+    workdir = tmp_path / f"context{context}"
+    subprocess.run([sys.executable, "-m", "k3jax.train", "--config=experiments/k3_tiny.py",
+                    f"--workdir={workdir}", f"--config.mesh.context={context}",
+                    "--config.train.steps=8", "--config.train.log_every=1",
+                    "--config.model.moe.capacity_factor=4.0"],
+                   cwd=root, check=True, env={**os.environ, "XLA_FLAGS":
+                                              "--xla_force_host_platform_device_count=8"})
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    return [r["loss"] for r in rows if "loss" in r]
+
+  whole, split = losses(1), losses(4)
+  assert len(whole) == len(split) > 0
+  np.testing.assert_allclose(split, whole, rtol=1e-4)

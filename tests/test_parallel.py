@@ -38,9 +38,9 @@ def _loss_and_grads(graphdef, params, rest, batch):
   return jax.value_and_grad(loss)(params)
 
 
-@functools.cache
-def _problem():
-  cfg = micro_config()
+def well_conditioned(cfg):
+  """(graphdef, params, rest) of `random_model(cfg.model)` moved to a point where the loss
+  is smooth and top-k routing has no near ties (see the comments)."""
   graphdef, params, rest = nnx.split(random_model(cfg.model), nnx.Param, ...)
   # A well-conditioned point: matrices at a quarter of random_model's scale and AttnRes
   # queries at zero (their init). At random_model's own weights this 13-layer net is so
@@ -57,6 +57,13 @@ def _problem():
   rest = jax.tree.map(lambda b: jax.numpy.broadcast_to(jax.numpy.arange(b.shape[-1],
                                                                          dtype=b.dtype), b.shape)
                       if b.ndim >= 1 else b, rest)
+  return graphdef, params, rest
+
+
+@functools.cache
+def _problem():
+  cfg = micro_config()
+  graphdef, params, rest = well_conditioned(cfg)
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, 64, (8, 33)).astype(np.int32)
   seg = np.repeat(np.array([[1] * 20 + [2] * 12]), 8, 0).astype(np.int32)
