@@ -98,7 +98,7 @@ def test_kda_chunk_halves_to_fit_a_slice(monkeypatch):
   want = kda_ops.kda(*args[:5], segment_ids=seg, backend="naive")
   got = jax.jit(lambda *a: kda_ops.kda(*a, segment_ids=seg, backend="chunk", mesh=_mesh(4),
                                        seq_axis="context"))(*args[:5])
-  assert chunks == [16] and _rel(got, want) < 1e-5
+  assert set(chunks) == {16} and _rel(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("context", CONTEXTS)
@@ -320,6 +320,7 @@ def test_k3_tiny_trains_the_same_with_context_4(tmp_path):
     subprocess.run([sys.executable, "-m", "k3jax.train", "--config=experiments/k3_tiny.py",
                     f"--workdir={workdir}", f"--config.mesh.context={context}",
                     "--config.train.steps=8", "--config.train.log_every=1",
+                    "--config.optimizer.warmup_steps=2",
                     "--config.model.moe.capacity_factor=4.0"],
                    cwd=root, check=True, env={**os.environ, "XLA_FLAGS":
                                               "--xla_force_host_platform_device_count=8"})

@@ -3,11 +3,12 @@
 A device holds one contiguous slice of each sequence. The state entering its slice depends
 on all slices before it, but only affinely: the slice maps the state S it is handed to
 S_out = P S + D, with P [K, K] and D [K, V] (the delta rule acts on S from the left).
-Each device runs its slice once, through any backend, with the state widened to
-[K, V + K]: values padded with K zero columns and the initial state [0 | I]. That one pass
-gives the outputs o0 for a zero entering state, D and P (the final state's two parts), and
-per token r_t = P_t^T (scale q_t) (the padded columns of the output), so that the true
-output is o_t = o0_t + S^T r_t once the entering state S is known.
+Each device runs its slice twice through any backend: once as it is from a zero state,
+which gives the outputs o0 and D; once with zero values from the state I (K columns),
+which gives P and per token r_t = P_t^T (scale q_t), so that the true output is
+o_t = o0_t + S^T r_t once the entering state S is known. (One pass with the state widened
+to [K, V + K] gives the same, but the GPU kernels ran it several times slower than two
+passes at their tuned width: benchmarks/results/context_parallel.md.)
 
 The devices' maps are then composed along the axis by a log-depth scan (ppermute rounds:
 each device's map composed with the one d devices before it, d = 1, 2, 4, ...), the exit
@@ -52,13 +53,11 @@ def kda_context(run, q, k, v, g, beta, *, axis, segment_ids, initial_state=None)
   n = jax.lax.axis_size(axis)
   me = jax.lax.axis_index(axis)
   f32 = jnp.float32
-  v_wide = jnp.concatenate([v, jnp.zeros((B, T, H, K), v.dtype)], axis=-1)
+  common = dict(segment_ids=segment_ids, output_final_state=True)
+  o0, D = run(q, k, v, g, beta, initial_state=None, **common)   # [B, T, H, V], [B, H, K, V]
   eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, K, K))
-  h_wide = jnp.concatenate([jnp.zeros((B, H, K, V), f32), eye], axis=-1)
-  o_wide, s_wide = run(q, k, v_wide, g, beta, initial_state=h_wide, segment_ids=segment_ids,
-                       output_final_state=True)
-  o0, reads = o_wide[..., :V], o_wide[..., V:]                   # [B, T, H, V], [B, T, H, K]
-  D, P = s_wide[..., :V], s_wide[..., V:]                        # [B, H, K, V], [B, H, K, K]
+  reads, P = run(q, k, jnp.zeros((B, T, H, K), v.dtype), g, beta, initial_state=eye,
+                 **common)                                      # [B, T, H, K], [B, H, K, K]
 
   # The state handed over from the previous slice reaches this one only if the document
   # continues across the boundary (the first slice takes the initial state as it is).
