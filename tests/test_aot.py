@@ -231,7 +231,8 @@ def test_auto_dispatch_follows_the_mesh_platform():
     assert text["auto"] == text[want] != text[other]
 
 
-@pytest.mark.parametrize("shape,exchanges,rows", [((4, 1, 1, 1, 1), 0, 128), ((1, 1, 4, 1, 1), 4, 512)],
+@pytest.mark.parametrize("shape,exchanges,rows", [((4, 1, 1, 1, 1), 0, 128),
+                                                  ((1, 1, 4, 1, 1), 4, 512)],
                          ids=["data4", "expert4"])
 def test_expert_parallel_dropless_compiles_for_tpu(shape, exchanges, rows):
   """moe.dispatch="expert_parallel_dropless" on v5p: each device sorts its own 2 x 32 x 2

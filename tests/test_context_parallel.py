@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh
 
 from pallas_kernels import kda as kda_ops
@@ -156,13 +157,8 @@ def _model_problem(t=64, b=4):
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
            "weights": (seg > 0).astype(np.float32)}
   loss, grads = jax.jit(functools.partial(_loss_and_grads, graphdef))(
-      nnx_pure(params), nnx_pure(rest), batch)
+      nnx.as_pure(params), nnx.as_pure(rest), batch)
   return cfg, graphdef, params, rest, batch, float(loss), jax.device_get(grads)
-
-
-def nnx_pure(state):
-  from flax import nnx  # noqa: PLC0415
-  return nnx.as_pure(state)
 
 
 @pytest.mark.parametrize("sizes,dispatch", [
@@ -179,32 +175,13 @@ def test_model_split_over_context_equals_one_device(sizes, dispatch):
   `context` (alone and with data, fsdp, tensor and expert axes) equal one device's (fp32).
   The capacity dispatches get room for every pair (capacity per slice of a row = E / k
   times its pairs), so nothing is dropped on either side."""
-  from flax import nnx  # noqa: PLC0415
-  from jax.sharding import NamedSharding  # noqa: PLC0415
   from k3jax import parallel  # noqa: PLC0415
-  from k3jax.model import K3Model, axes  # noqa: PLC0415
-  from test_parallel import _loss_and_grads  # noqa: PLC0415
+  from test_parallel import check_sharded_run  # noqa: PLC0415
   _, graphdef, params, rest, batch, loss1, grads1 = _model_problem()
   cfg = _model_config()
   for axis in parallel.MESH_AXES:
     cfg.mesh[axis] = sizes.get(axis, 1)
-  if dispatch != "dropless":
-    m = cfg.model
-    m.moe.dispatch, m.moe.capacity_factor = dispatch, m.moe.num_experts / m.moe.top_k
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))))
-  mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(list(sizes.values())))])
-  param_sh = parallel.shardings(mesh, params)
-  placed = (jax.device_put(nnx.as_pure(params), param_sh),
-            jax.device_put(nnx.as_pure(rest), parallel.shardings(mesh, rest)),
-            jax.device_put(batch, NamedSharding(mesh, parallel.batch_spec())))
-  with axes.use_rules(mesh, parallel.RULES):
-    loss, grads = jax.jit(functools.partial(_loss_and_grads, graphdef),
-                          out_shardings=(None, param_sh))(*placed)
-  np.testing.assert_allclose(float(loss), loss1, rtol=1e-5)
-  flat = dict(nnx.to_flat_state(grads))
-  for path, g1 in nnx.to_flat_state(grads1):
-    err = np.linalg.norm(np.asarray(flat[path]) - g1) / max(np.linalg.norm(g1), 1e-12)
-    assert err < 1e-4, (path, err)
+  check_sharded_run(cfg, dispatch, graphdef, params, rest, batch, loss1, grads1)
 
 
 def _train_step(**sizes):
@@ -249,7 +226,6 @@ def test_moe_capacity_is_per_slice_of_a_row(dispatch):
   """Under context parallelism a capacity buffer belongs to a device's slice of a row: the
   LatentMoE layer with `context` = 2, with pairs dropped, equals the unsplit layer on the
   batch cut into half rows ([B, T] -> [2B, T / 2]), outputs, drop counts and gradients."""
-  from flax import nnx  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   from k3jax import parallel  # noqa: PLC0415
   from k3jax.model.axes import use_rules  # noqa: PLC0415

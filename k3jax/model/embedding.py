@@ -43,7 +43,7 @@ def lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
   if mesh is None:
     return jnp.take(table, tokens, axis=0).astype(dtype)
   vocab, embed = (_mesh_axes(a) for a in axes.logical_to_spec(("vocab", "embed")))
-  batch, seq = (_mesh_axes(a) for a in axes.logical_to_spec(("batch", "seq")))
+  batch, seq = axes.mesh_axes("batch"), axes.mesh_axes("seq")
   if not set(embed) <= set(batch) | set(seq) or set(vocab) & (set(batch) | set(seq)):
     return jnp.take(table, tokens, axis=0).astype(dtype)
   # The width is split over `embed` in its order; its axes that split rows are gathered

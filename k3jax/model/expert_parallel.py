@@ -73,7 +73,8 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
 
   z: [B, T, L]; idx: [B, T, k] int32; weights: [B, T, k] fp32; w_g, w_u: [E, L, H];
   w_d: [E, H, L]; act: the fp32 GLU activation; capacity: pairs per expert per row (per
-  device's slice of a row where the rules split `seq`: context parallelism). The mesh and the specs come from `axes.use_rules`; without it, `capacity_moe` runs on
+  device's slice of a row where the rules split `seq`: context parallelism). The mesh
+  and the specs come from `axes.use_rules`; without it, `capacity_moe` runs on
   one device. Returns (u [B, T, L] fp32, kept [B, T, k] bool), equal to `capacity_moe`'s.
   """
   b, t, k = idx.shape
@@ -85,7 +86,7 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
                            weights.reshape(b * t, k), experts, num_experts, b, capacity)
     return u.reshape(b, t, -1), kept.reshape(b, t, k)
   batch, ep, lat, hid = _layout(mesh, num_experts, "expert_parallel")
-  seq = _mesh_axes(axes.logical_to_spec(("seq",))[0])
+  seq = axes.mesh_axes("seq")
 
   def local(z, idx, weights, w_g, w_u, w_d):
     """One device: its rows [b_loc, t_loc, ...], its experts [E/ep, L/fsdp, H/tensor]."""
@@ -207,7 +208,7 @@ def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Arra
                      experts, num_experts)
     return u.reshape(b, t, -1)
   batch, ep, lat, hid = _layout(mesh, num_experts, "expert_parallel_dropless")
-  seq = _mesh_axes(axes.logical_to_spec(("seq",))[0])
+  seq = axes.mesh_axes("seq")
 
   def local(z, idx, weights, w_g, w_u, w_d):
     """One device: its rows [b_loc, t_loc, ...], its experts [E/ep, L/fsdp, H/tensor]."""

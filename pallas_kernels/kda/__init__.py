@@ -49,7 +49,8 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
 
   chunk_size and sub_chunk_size apply to "chunk" and the kernels; chunk_size None: the
   backend's `default_chunk_size` on the platform, halved under seq_axis until it divides
-  each device's slice (the result does not depend on it beyond rounding). mesh, batch_axis, head_axis: where the arrays are sharded (mesh axis names,
+  each device's slice (the result does not depend on it beyond rounding). mesh,
+  batch_axis, head_axis: where the arrays are sharded (mesh axis names,
   or None); the kernels then run per device under `shard_map` (a Pallas call is not
   partitioned by XLA), the pure-JAX backends ignore them. seq_axis: the mesh axis that
   splits T (context parallelism); every backend then runs per device on its slice, the
