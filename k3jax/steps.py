@@ -51,7 +51,8 @@ def chunked_cross_entropy(logits_fn, h: jax.Array, targets: jax.Array, weights: 
     return cross_entropy(logits_fn(h), targets, weights, denominator)
   s = axes.split_ways("seq")
   if t % (s * chunk):
-    raise ValueError(f"chunked_cross_entropy: {t} positions do not split into {s} slices of "
+    slices = f"{s} context slices of " if s > 1 else ""
+    raise ValueError(f"chunked_cross_entropy: {t} positions do not split into {slices}"
                      f"chunks of {chunk}")
 
   def pieces(x):  # [B, T, ...] -> [T / (s chunk), B, s chunk, ...], positions of all slices

@@ -64,7 +64,7 @@ def test_each_slice_is_one_block_of_the_dcn_axis(sizes, across):
 
 def test_one_slice_and_cpu_meshes_are_unchanged():
   """Without DCN fields the mesh is jax.make_mesh's, on one TPU slice and on CPU devices."""
-  auto = (jax.sharding.AxisType.Auto,) * 4
+  auto = (jax.sharding.AxisType.Auto,) * len(parallel.MESH_AXES)
   for devices, sizes in [(tpu_devices(), dict(data=2, fsdp=2)),
                          (jax.devices(), dict(data=2, fsdp=2, tensor=2))]:
     mesh = parallel.make_mesh(_cfg(**sizes).mesh, devices)
@@ -195,7 +195,7 @@ def test_aot_cli_names_the_slices_and_refuses_k3_full_before_compiling():
                   "--config.mesh.dcn_data=2", timeout=300)
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert ("topology v5p:2x2x1: 8 chips in 2 slices, over DCN {'data': 2}, mesh {'data': 8, "
-          "'fsdp': 1, 'expert': 1, 'tensor': 1}") in proc.stdout
+          "'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}") in proc.stdout
   assert "DOES NOT FIT: the train state alone needs" in proc.stdout
 
 
