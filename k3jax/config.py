@@ -8,10 +8,14 @@ are rejected by ml_collections itself (the ConfigDict is locked).
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16")
+EXPERT_SPLITS = ("batch", "seq")
+MLA_FORMS = ("expanded", "absorbed")  # what mesh.expert splits outside the MoE (parallel.rules)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -66,6 +70,12 @@ def base_config() -> ml_collections.ConfigDict:
   # step compile take over 14 CPU-minutes here, and the GPU kernel is not yet measured in a
   # train step; long sequences (k3_full's long-context variant) need "auto" / "flash".
   a.attention = "dense"
+  # "expanded": keys and values per head from c_kv (k_nope, v = c_kv W_kvb), as written;
+  # "absorbed": W_kvb folded into the queries and outputs, so attention reads c_kv and the
+  # shared key (kv_lora + rope values a token, one "head") instead of H x (nope + rope + v):
+  # (kv_lora + rope + kv_lora) / (nope + rope + v) times the attention FLOPs, for sequences
+  # whose per-head keys would not fit (long context: each device attends over every position)
+  a.form = "expanded"
 
   f = m.ffn = ml_collections.ConfigDict()
   f.hidden_dim = 33_792  # dense FFN of the first `dense_layers` layers
@@ -189,6 +199,9 @@ def base_config() -> ml_collections.ConfigDict:
   p.expert = 1
   p.context = 1          # context parallelism: each sequence's positions split this many ways
   p.tensor = 1
+  # The token dimension mesh.expert splits outside the MoE layers: "batch" (rows) or "seq"
+  # (positions, with mesh.context: sequences too long for a row per expert device)
+  p.expert_splits = "batch"
   # Multi-slice TPU: how many of each axis's ways run across slices over DCN (the rest, the
   # ICI part mesh.<axis> / dcn_<axis>, stay within a slice); they multiply to the number of
   # slices. Usually data parallelism alone crosses DCN: dcn_data = slices.
@@ -305,6 +318,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for field in ("mla", "vision"):
     _check(m[field].attention in ATTENTION_BACKENDS, f"model.{field}.attention",
            f"unknown backend {m[field].attention!r} (known: {', '.join(ATTENTION_BACKENDS)})")
+  _check(a.form in MLA_FORMS, "model.mla.form", f"must be one of {MLA_FORMS}, got {a.form!r}")
   _check(m.ffn.activation in ("situ_glu", "swiglu"), "model.ffn.activation",
          f"must be 'situ_glu' or 'swiglu', got {m.ffn.activation!r}")
   e = m.moe
@@ -352,8 +366,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(t.loss_chunk >= 0 and (t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0),
          "train.loss_chunk", f"{t.loss_chunk} must be 0 or a positive divisor of "
          f"train.seq_len={t.seq_len}")
-  if p.context != -1:
-    check_context(c, p.context)
+  _check(p.expert_splits in EXPERT_SPLITS, "mesh.expert_splits",
+         f"must be one of {EXPERT_SPLITS}, got {p.expert_splits!r}")
+  seq_ways = [p.context] + ([p.expert] if p.expert_splits == "seq" else [])
+  if -1 not in seq_ways:
+    check_context(c, math.prod(seq_ways))
   xla_options(t.xla_options, "any")  # its syntax; the names when the program is built
   _check(t.checkpoint_every >= 1, "train.checkpoint_every",
          f"must be >= 1, got {t.checkpoint_every}")

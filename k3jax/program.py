@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 from typing import Any
 
 import jax
@@ -70,7 +71,7 @@ class Program:
 
   def rules(self) -> contextlib.AbstractContextManager:
     """Installs the mesh rules; trace, lower and call the steps inside it."""
-    return axes.use_rules(self.mesh, parallel.RULES)
+    return axes.use_rules(self.mesh, parallel.rules(self.cfg.mesh.expert_splits))
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     """The global batch's arrays, sharded as `batch_shardings` says."""
@@ -87,15 +88,18 @@ def build(cfg, mesh: Mesh) -> Program:
   """The program of `cfg` (validated) on `mesh`; ConfigError when the batch or a parameter
   does not split over the mesh."""
   t = cfg.train
-  data_ways = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  table = parallel.rules(cfg.mesh.expert_splits)
+  batch_axes, seq_axes = (axes.mesh_axes(name, table) for name in ("batch", "seq"))
+  data_ways = math.prod(mesh.shape[a] for a in batch_axes)
+  over = " x ".join(batch_axes)
   if t.global_batch % data_ways:
     raise ConfigError(f"config.train.global_batch: {t.global_batch} rows do not split over "
-                      f"the {data_ways} data-parallel devices (data x fsdp x expert)")
+                      f"the {data_ways} data-parallel devices ({over})")
   if t.global_batch % (t.microbatches * data_ways):
     raise ConfigError(f"config.train.microbatches: {t.microbatches} microbatches of "
                       f"{t.global_batch} rows do not each split over the {data_ways} "
-                      "data-parallel devices (data x fsdp x expert)")
-  check_context(cfg, mesh.shape["context"])
+                      f"data-parallel devices ({over})")
+  check_context(cfg, math.prod(mesh.shape[a] for a in seq_axes))
   abstract = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(cfg.seed)))
   graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
   parallel.check_divisible(abs_params, mesh)
@@ -132,7 +136,7 @@ def build(cfg, mesh: Mesh) -> Program:
 def batch_shardings(cfg, mesh: Mesh) -> dict[str, NamedSharding]:
   """Each feature of the global batch sharded by its leading dims: text features [B, T] as
   [batch, seq] (`parallel.batch_spec`), the media (`media_*`) by their rows alone."""
-  text = parallel.batch_spec()
+  text = parallel.batch_spec(parallel.rules(cfg.mesh.expert_splits))
   return {name: NamedSharding(mesh, P(text[0]) if name.startswith("media_") else text)
           for name in batch_shapes(cfg)}
 

@@ -169,7 +169,7 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   say("model: building (abstract) ...")
   prog = program.build_once(cfg, mesh)
   batch_shardings = prog.batch_shardings
-  say(f"mesh: {dict(mesh.shape)}; batch sharded as {parallel.batch_spec()}")
+  say(f"mesh: {dict(mesh.shape)}; batch sharded as {batch_shardings['inputs'].spec}")
   say(f"optimizer: {optim.describe(cfg, prog.abstract_params)}")
   fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
   say(f"model: {prog.num_params:,} parameters; {fpt / 1e9:.3f} GFLOP/token (train, analytic); "

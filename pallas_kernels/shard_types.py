@@ -1,6 +1,19 @@
-"""Cotangents of custom VJPs under `shard_map`, typed like their primals."""
+"""Mesh axes as the kernels' dispatchers take them (None, a name or a tuple of names), and
+cotangents of custom VJPs under `shard_map`, typed like their primals."""
+
+import math
 
 import jax
+
+
+def axis_names(*axes) -> tuple[str, ...]:
+  """The mesh axis names in `axes` (each None, a name or a tuple of names), in order."""
+  return tuple(n for a in axes if a is not None for n in ((a,) if isinstance(a, str) else a))
+
+
+def axis_size(mesh, *axes) -> int:
+  """How many devices of `mesh` the axes span together."""
+  return math.prod(mesh.shape[a] for a in axis_names(*axes))
 
 
 def varying(x: jax.Array) -> frozenset:

@@ -6,6 +6,7 @@ queries split along T (context parallelism) against the unsharded reference; the
 fields."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -334,3 +335,23 @@ def test_tpu_aot_vision_layout():
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(tok, tok, tok, ids)
   assert "tpu_custom_call" in lowered.as_text()
   assert lowered.compile().memory_analysis().temp_size_in_bytes < rows * (h // 2) * n * n * 4
+
+
+@pytest.mark.parametrize("c, shape, batch_axis, seq_axis", [(1, (1, 1, 1), None, None),
+                                                           CP_LAYOUTS[2]])
+def test_multi_query_flash_matches_dense(c, shape, batch_axis, seq_axis):
+  """Keys and values both shared by all heads (MLA's absorbed form: Dqk = kv_lora + rope,
+  Dv = kv_lora): splash's multi-query kernel on one device and with the queries split over
+  context, output, max logit and gradients equal the dense reference."""
+  b, t, h = CP_IDS.shape + (2,)
+  q, k, v, w = (randn(30, b, t, h, 40), randn(31, b, t, 1, 40), randn(32, b, t, 1, 24),
+                randn(33, b, t, h, 24))
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:math.prod(shape)]).reshape(shape),
+                           ("data", "context", "tensor"))
+  out, logit, grads = cp_run("flash", q, k, v, w, mesh=mesh, batch_axis=batch_axis,
+                             head_axis="tensor", seq_axis=seq_axis)
+  ref, ref_logit, ref_grads = cp_run("dense", q, k, v, w)
+  check_close(out, ref)
+  np.testing.assert_allclose(np.asarray(logit), np.asarray(ref_logit), rtol=1e-6)
+  for g, r in zip(grads, ref_grads):
+    check_close(g, r)

@@ -165,6 +165,10 @@ def _model_problem(t=64, b=4):
     (dict(context=8), "dropless"), (dict(data=2, context=4), "dropless"),
     (dict(fsdp=2, context=2, tensor=2), "dropless"),
     (dict(expert=2, fsdp=2, context=2), "expert_parallel"),
+    # the expert axis splitting positions with context (sequences in fewer rows than it);
+    # MLA in its absorbed form (one shared key / value "head" gathered along T)
+    (dict(fsdp=2, expert=2, context=2, expert_splits="seq", mla_form="absorbed"),
+     "expert_parallel"),
     # (about a minute each on 2 cores)
     pytest.param(dict(context=2), "dropless", marks=pytest.mark.slow),
     pytest.param(dict(data=2, fsdp=2, context=2), "dropless", marks=pytest.mark.slow),
@@ -172,16 +176,40 @@ def _model_problem(t=64, b=4):
     ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()))
 def test_model_split_over_context_equals_one_device(sizes, dispatch):
   """The micro model's loss and every parameter's gradient with the sequence split over
-  `context` (alone and with data, fsdp, tensor and expert axes) equal one device's (fp32).
-  The capacity dispatches get room for every pair (capacity per slice of a row = E / k
-  times its pairs), so nothing is dropped on either side."""
+  `context` (alone and with data, fsdp, tensor and expert axes) equal one device's (fp32,
+  expanded MLA, dropless MoE). The capacity dispatches get room for every pair (capacity
+  per slice of a row = E / k times its pairs), so nothing is dropped on either side."""
   from k3jax import parallel  # noqa: PLC0415
   from test_parallel import check_sharded_run  # noqa: PLC0415
-  _, graphdef, params, rest, batch, loss1, grads1 = _model_problem()
+  _, _, params, rest, batch, loss1, grads1 = _model_problem()
   cfg = _model_config()
   for axis in parallel.MESH_AXES:
     cfg.mesh[axis] = sizes.get(axis, 1)
-  check_sharded_run(cfg, dispatch, graphdef, params, rest, batch, loss1, grads1)
+  cfg.mesh.expert_splits = sizes.get("expert_splits", "batch")
+  cfg.model.mla.form = sizes.get("mla_form", "expanded")
+  check_sharded_run(cfg, dispatch, params, rest, batch, loss1, grads1)
+
+
+def test_expert_axis_can_split_positions_instead_of_rows():
+  """mesh.expert_splits = "seq": rows over data x fsdp, positions over expert x context (a
+  few long sequences, experts still on their own axis); a seq_len whose slices are not
+  whole KDA chunks names the device count; an unknown value names the field."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  from k3jax import config as k3config  # noqa: PLC0415
+  from k3jax import parallel  # noqa: PLC0415
+  assert parallel.batch_spec(parallel.rules("seq")) == P(("data", "fsdp"), ("expert", "context"))
+  assert parallel.batch_spec(parallel.rules("batch")) == P(("data", "fsdp", "expert"), "context")
+  cfg = _model_config()
+  cfg.mesh.expert, cfg.mesh.context, cfg.mesh.expert_splits = 4, 2, "seq"
+  cfg.train.seq_len = 128                     # 8 slices of one KDA chunk (16)
+  k3config.validate(cfg)
+  cfg.train.seq_len = 64
+  with pytest.raises(k3config.ConfigError, match="8 devices split train.seq_len=64"):
+    k3config.validate(cfg)
+  cfg.mesh.expert_splits = "rows"
+  with pytest.raises(k3config.ConfigError, match="mesh.expert_splits"):
+    k3config.validate(cfg)
 
 
 def _train_step(**sizes):
@@ -206,7 +234,8 @@ def _train_step(**sizes):
   return jax.device_get((state, out, eval_loss))
 
 
-@pytest.mark.xdist_group("context_parallel_train_step")  # its own worker: two compiles
+@pytest.mark.slow  # two train-step compiles; the model's loss and gradients over context
+                   # are CI's (above)
 def test_train_step_split_over_context_equals_data_parallel():
   """The whole train step (loss, per-head Muon with the weights also sharded over
   `context`, Quantile Balancing, QK-Clip) with each sequence split over 2 devices equals

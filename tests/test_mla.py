@@ -224,3 +224,31 @@ def test_bf16_compute_close_to_fp32(dtype):
   assert y16.dtype == jnp.bfloat16
   err = np.abs(np.asarray(y16, np.float32) - np.asarray(y32))
   assert err.max() < 0.05 * np.abs(np.asarray(y32)).max()
+
+
+@pytest.mark.parametrize("backend", ["dense", "flash"])
+def test_absorbed_form_equals_expanded(backend):
+  """model.mla.form = "absorbed" (W_kvb folded into the queries and outputs; attention over
+  c_kv and the shared key, one "head" for all; flash: splash's multi-query kernel,
+  interpreted) computes the expanded form's outputs, max logits and gradients."""
+  expanded = make()
+  cfg = small_model_cfg()
+  cfg.mla.form, cfg.mla.attention = "absorbed", backend
+  absorbed = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: MLA(cfg, rngs=nnx.Rngs(0)))),
+                       nnx.state(expanded))
+  x, seg, w_out = inputs(seed=6), jnp.asarray(SEG), randn(7, 3, 10, 32)
+
+  @nnx.jit
+  def run(m):
+    def loss(m):
+      y, aux = m(x, seg)
+      return jnp.sum(y * w_out), (y, aux["logit_max"])
+    return nnx.grad(loss, has_aux=True)(m)
+
+  (grads, (y, logit)), (grads1, (y1, logit1)) = run(absorbed), run(expanded)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y1), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(logit), np.asarray(logit1), rtol=1e-6)
+  # per parameter, relative to its gradient's norm: the two forms round differently (fp32)
+  for (path, g), g1 in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads1)):
+    g, g1 = np.asarray(g), np.asarray(g1)
+    assert np.linalg.norm(g - g1) <= 1e-6 * np.linalg.norm(g1), jax.tree_util.keystr(path)

@@ -91,25 +91,27 @@ def test_sharded_loss_and_grads_equal_single_device(sizes, dispatch, monkeypatch
   if dispatch == "expert_parallel_dropless" and jax.default_backend() == "cpu":
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", ragged_all_to_all_by_gather)
   graphdef, params, rest, batch, loss1, grads1 = _problem()
-  check_sharded_run(_mesh_cfg(**sizes), dispatch, graphdef, params, rest, batch, loss1,
+  check_sharded_run(_mesh_cfg(**sizes), dispatch, params, rest, batch, loss1,
                     grads1)
 
 
-def check_sharded_run(cfg, dispatch, graphdef, params, rest, batch, loss1, grads1):
-  """The loss and every gradient on the mesh of `cfg.mesh` (its first devices, with the MoE
-  `dispatch`) equal loss1, grads1 (one device's): fp32, 1e-5 / 1e-4 relative. The capacity
-  dispatches get room for every pair (capacity_factor = E / k)."""
+def check_sharded_run(cfg, dispatch, params, rest, batch, loss1, grads1):
+  """The loss and every gradient of `cfg.model` (with the MoE `dispatch`) on the mesh of
+  `cfg.mesh` (its first devices) equal loss1, grads1 (one device's): fp32, 1e-5 / 1e-4
+  relative. The capacity dispatches get room for every pair (capacity_factor = E / k)."""
+  m = cfg.model
+  m.moe.dispatch = dispatch
   if dispatch != "dropless":
-    m = cfg.model
-    m.moe.dispatch, m.moe.capacity_factor = dispatch, m.moe.num_experts / m.moe.top_k
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))))
+    m.moe.capacity_factor = m.moe.num_experts / m.moe.top_k
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))))
   ways = int(np.prod([cfg.mesh[a] for a in parallel.MESH_AXES]))
   mesh = parallel.make_mesh(cfg.mesh, jax.devices()[:ways])
-  param_sh = parallel.shardings(mesh, params)
+  rules = parallel.rules(cfg.mesh.expert_splits)
+  param_sh = parallel.shardings(mesh, params, rules)
   placed = (jax.device_put(nnx.as_pure(params), param_sh),
-            jax.device_put(nnx.as_pure(rest), parallel.shardings(mesh, rest)),
-            jax.device_put(batch, NamedSharding(mesh, parallel.batch_spec())))
-  with axes.use_rules(mesh, parallel.RULES):
+            jax.device_put(nnx.as_pure(rest), parallel.shardings(mesh, rest, rules)),
+            jax.device_put(batch, NamedSharding(mesh, parallel.batch_spec(rules))))
+  with axes.use_rules(mesh, rules):
     loss, grads = jax.jit(functools.partial(_loss_and_grads, graphdef),
                           out_shardings=(None, param_sh))(*placed)
   np.testing.assert_allclose(float(loss), loss1, rtol=1e-5)

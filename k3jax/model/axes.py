@@ -83,9 +83,10 @@ def logical_to_spec(names: AxisNames, rules=None) -> PartitionSpec:
   return PartitionSpec(*spec)
 
 
-def mesh_axes(name: str) -> tuple[str, ...]:
-  """The mesh axes the rules map the logical axis `name` to (empty: none)."""
-  entry = logical_to_spec((name,))[0]
+def mesh_axes(name: str, rules=None) -> tuple[str, ...]:
+  """The mesh axes the rules (default: the installed ones) map the logical axis `name` to
+  (empty: none)."""
+  entry = logical_to_spec((name,), rules)[0]
   return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 

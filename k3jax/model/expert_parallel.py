@@ -131,12 +131,14 @@ def _layout(mesh, num_experts: int, name: str):
   if num_experts % ep_size:
     raise ValueError(f"{name} dispatch: mesh axis '{ep[0]}' ({ep_size} devices) does "
                      f"not divide model.moe.num_experts={num_experts}")
-  if ep and ep[0] not in batch:
-    raise ValueError(f"{name} dispatch: mesh axis '{ep[0]}' splits the experts but "
-                     f"not the batch (batch -> {batch}); each of its devices needs its own rows")
-  if set(hid) & set(batch):
+  seq = axes.mesh_axes("seq")
+  if ep and ep[0] not in batch + seq:
+    raise ValueError(f"{name} dispatch: mesh axis '{ep[0]}' splits the experts but not the "
+                     f"tokens (batch -> {batch}, seq -> {seq}); each of its devices needs "
+                     "its own tokens")
+  if set(hid) & set(batch + seq):
     raise ValueError(f"{name} dispatch: mesh axes {hid} split both the expert hidden "
-                     f"width (mlp) and the batch; the partial sums over them need equal rows")
+                     f"width (mlp) and the tokens; the partial sums over them need equal rows")
   return batch, ep, lat, hid
 
 

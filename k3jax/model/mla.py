@@ -8,6 +8,15 @@
   o    = softmax(q k^T / sqrt(nope + rope), causal + document mask) v
   y    = (o * sigmoid(x W_g)) W_o
 
+The absorbed form (model.mla.form = "absorbed") computes the same function with W_kvb
+folded into both ends, W_kvb = [W_uk | W_uv] per head:
+
+  q_h' = [q_nope_h W_uk_h^T, q_rope_h]         [B, T, H, kv_lora + rope]
+  k'   = [c_kv, k_r]                           [B, T, 1, kv_lora + rope]  one "head"
+  o_h  = (softmax(q' k'^T / sqrt(nope + rope)) c_kv) W_uv_h
+
+so attention reads kv_lora + rope values a key instead of H x (nope + rope + v).
+
 The "rope" slot is NoPE: nothing is ever rotated. Weight layouts, for per-head Muon and
 QK-Clip (spec 5): `wq_b.kernel` is [q_lora, H, nope + rope] with the per-head rope-slot
 query in `[..., nope:]`; `wkv_b.kernel` is [kv_lora, H, nope + v] with k_nope in
@@ -29,6 +38,7 @@ from pallas_kernels.attention import attention_mask  # noqa: F401  (re-exported:
 BTE = ("batch", "seq", "embed")
 BTHD = ("batch", "seq", "heads", "head_dim")
 KV = ("batch", "kv_seq", "heads", "head_dim")   # keys and values: all positions of a row
+SHARED_KV = ("batch", "kv_seq", None, "head_dim")  # the absorbed form's one key / value "head"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
@@ -60,6 +70,7 @@ class MLA(nnx.Module):
     self.kv_lora = a.kv_lora_rank
     self.scale = (a.qk_nope_dim + a.qk_rope_dim) ** -0.5
     self.backend = a.attention
+    self.absorbed = a.form == "absorbed"
     self.dtype = dtype
     dense = dict(rngs=rngs, dtype=dtype, param_dtype=pdtype)
     self.wq_a = Dense(d, a.q_lora_rank, ("embed", "q_lora"), **dense)
@@ -93,10 +104,29 @@ class MLA(nnx.Module):
     k = constrain(jnp.concatenate([k_nope, k_r], axis=-1), KV)
     return q, k, v
 
+  def project_absorbed(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The absorbed form's q' [B, T, H, kv_lora + rope], k' [B, T, 1, kv_lora + rope] and
+    values c_kv [B, T, 1, kv_lora] (module docstring)."""
+    x = constrain(x.astype(self.dtype), BTE)
+    c_q = constrain(self.q_norm(self.wq_a(x)), ("batch", "seq", "q_lora"))
+    q = constrain(self.wq_b(c_q), BTHD)
+    w_uk = self.wkv_b.kernel[...][..., :self.nope].astype(self.dtype)  # [kv_lora, H, nope]
+    q_lat = jnp.einsum("bthn,chn->bthc", q[..., :self.nope], w_uk)
+    q = constrain(jnp.concatenate([q_lat, q[..., self.nope:]], axis=-1), BTHD)
+    kv_a = self.wkv_a(x)
+    c_kv = self.kv_norm(kv_a[..., :self.kv_lora])[:, :, None, :]       # [B, T, 1, kv_lora]
+    k = jnp.concatenate([c_kv, kv_a[..., None, self.kv_lora:]], axis=-1)
+    return q, constrain(k, SHARED_KV), constrain(c_kv, SHARED_KV)
+
   def heads(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Gated per-head outputs before W_o [B, T, H, v], and the max logit per head [H]."""
-    q, k, v = self.project(x)
-    o, logit_max = attention(q, k, v, segment_ids, self.scale, self.backend)
+    if self.absorbed:
+      q, k, c_kv = self.project_absorbed(x)
+      o, logit_max = attention(q, k, c_kv, segment_ids, self.scale, self.backend)
+      w_uv = self.wkv_b.kernel[...][..., self.nope:].astype(self.dtype)  # [kv_lora, H, v]
+      o = jnp.einsum("bthc,chv->bthv", o, w_uv)
+    else:
+      o, logit_max = attention(*self.project(x), segment_ids, self.scale, self.backend)
     o = constrain(o, BTHD)
     gate = jax.nn.sigmoid(self.w_g(x).astype(jnp.float32))
     return constrain((o.astype(jnp.float32) * gate).astype(self.dtype), BTHD), logit_max

@@ -14,21 +14,33 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from k3jax.config import ConfigError
+from k3jax.config import EXPERT_SPLITS, ConfigError
 from k3jax.model.axes import axis_names, is_variable, logical_to_spec
 
-RULES = (
-    ("batch", ("data", "fsdp", "expert")),
-    ("seq", "context"),
-    # weights: FSDP shards the model width over every device that holds other tokens of the
-    # batch, the expert and context axes included (else they would hold copies of them)
-    ("embed", ("fsdp", "expert", "context")),
-    ("latent", ("fsdp", "context")),  # routed-expert stacks (split over expert by `experts`)
-    ("heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("experts", "expert"),
-)
+def rules(expert_splits: str = "batch") -> tuple:
+  """The logical-axis rules. `expert_splits` (config.mesh.expert_splits): the token
+  dimension the `expert` mesh axis splits outside the MoE, the rows of the batch or, for
+  long sequences in few rows, the positions of each (with `context`)."""
+  if expert_splits not in EXPERT_SPLITS:
+    raise ConfigError(f"config.mesh.expert_splits: must be one of {EXPERT_SPLITS}, "
+                      f"got {expert_splits!r}")
+  tokens = ((("batch", ("data", "fsdp", "expert")), ("seq", "context"))
+            if expert_splits == "batch" else
+            (("batch", ("data", "fsdp")), ("seq", ("expert", "context"))))
+  return (
+      *tokens,
+      # weights: FSDP shards the model width over every device that holds other tokens of
+      # the batch, the expert and context axes included (else they would hold copies of them)
+      ("embed", ("fsdp", "expert", "context")),
+      ("latent", ("fsdp", "context")),  # routed-expert stacks (split over expert by `experts`)
+      ("heads", "tensor"),
+      ("mlp", "tensor"),
+      ("vocab", "tensor"),
+      ("experts", "expert"),
+  )
+
+
+RULES = rules()
 
 
 def param_specs(state: Any, rules=RULES) -> Any:

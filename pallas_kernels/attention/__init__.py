@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.context import context_parallel, flash_tpu_window
+from pallas_kernels.attention.context import context_parallel, flash_tpu_window, kv_spec
 from pallas_kernels.attention.flash import flash_gpu, flash_tpu, max_logit, unique_padding_ids
 from pallas_kernels.attention.reference import attention_mask, attention_reference
 
@@ -31,10 +31,11 @@ def _sharded(kernel, q, k, v, ids, *, mesh, batch_axis, head_axis, seq_axis):
   if mesh is None or (batch_axis is None and head_axis is None and seq_axis is None):
     return kernel(q, k, v, ids, ids)
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-  tok_q, tok_kv = P(batch_axis, seq_axis, head_axis), P(batch_axis, None, head_axis)
+  tok_q = P(batch_axis, seq_axis, head_axis)
+  tok_k, tok_v = (kv_spec(x, batch_axis, head_axis) for x in (k, v))
   row_q, row_kv = P(batch_axis, seq_axis), P(batch_axis, None)
   # check_vma=False: pallas_call's outputs carry no varying-axes annotation.
-  return jax.shard_map(kernel, mesh=mesh, in_specs=(tok_q, tok_kv, tok_kv, row_q, row_kv),
+  return jax.shard_map(kernel, mesh=mesh, in_specs=(tok_q, tok_k, tok_v, row_q, row_kv),
                        out_specs=tok_q, check_vma=False)(q, k, v, ids, ids)
 
 
@@ -45,8 +46,9 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
 
   Args:
     q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk] (1: one key shared by all query heads);
-      v: [B, T, H, Dv] (Dv may differ from Dqk); segment_ids: [B, T] int, 0 = padding,
-      real ids > 0.
+      v: [B, T, H or 1, Dv] (Dv may differ from Dqk; 1 with k's 1: multi-query attention,
+      which splash runs as such, other kernels on copies per head); segment_ids: [B, T]
+      int, 0 = padding, real ids > 0.
     scale: the softmax scale; causal: add the causal mask.
     backend:
       "dense": `attention_reference` (fp32 [B, H, T, T] scores).
@@ -92,8 +94,9 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
 
   if backend == "dense":
     return dense(q, k, v)
-  # the kernels take one key per query head
-  k = jnp.broadcast_to(k, (*k.shape[:2], q.shape[2], k.shape[3]))
+  per_head = lambda x: jnp.broadcast_to(x, (*x.shape[:2], q.shape[2], x.shape[3]))  # noqa: E731
+  if v.shape[2] > 1:   # splash's multi-query form needs k and v shared; else one per head
+    k = per_head(k)
   ids = unique_padding_ids(segment_ids)
   shard = functools.partial(_sharded, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)
 
@@ -114,7 +117,10 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
     return lambda q, k, v: context(local, q, k, v, segment_ids)
 
   tpu = functools.partial(flash_tpu, scale=scale, causal=causal)
-  gpu = lambda q, k, v, ids, _: flash_gpu(q, k, v, ids, scale=scale, causal=causal)  # noqa: E731
+
+  def gpu(q, k, v, ids, _):
+    return flash_gpu(q, per_head(k), per_head(v), ids, scale=scale, causal=causal)
+
   interpreted = functools.partial(tpu, interpret=True)
   forced = backend == "flash"
   return jax.lax.platform_dependent(

@@ -6,17 +6,18 @@ global offset; `flash_tpu_window` is the splash kernel for one slice.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attention.flash import flash_tpu, unique_padding_ids
+from pallas_kernels.shard_types import axis_names, axis_size
 
 
-def _names(*axes) -> tuple[str, ...]:
-  """The mesh axis names in axes (each None, a name or a tuple of names), in order."""
-  return tuple(n for a in axes if a is not None for n in ((a,) if isinstance(a, str) else a))
+def kv_spec(x, batch_axis, head_axis) -> P:
+  """Where a kernel's shard of keys or values x [B, T, H or 1, D] lives: all T of its rows,
+  its heads (H = 1, shared by all heads: every device's copy)."""
+  return P(batch_axis) if x.shape[2] == 1 else P(batch_axis, None, head_axis)
 
 
 def context_parallel(local, q, k, v, segment_ids, *, return_max_logit, mesh, batch_axis,
@@ -28,8 +29,7 @@ def context_parallel(local, q, k, v, segment_ids, *, return_max_logit, mesh, bat
   linear index along seq_axis times T/c, and all T keys, values and ids of its rows.
   Returns [B, T, H, Dv] and, if return_max_logit, the max logit [H] over all devices.
   """
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-  c = math.prod(mesh.shape[a] for a in _names(seq_axis))
+  c = axis_size(mesh, seq_axis)
   if q.shape[1] % c:
     raise ValueError(f"T = {q.shape[1]} is not a multiple of the {c} slices of {seq_axis}")
   n = q.shape[1] // c
@@ -38,13 +38,14 @@ def context_parallel(local, q, k, v, segment_ids, *, return_max_logit, mesh, bat
     out, logit = local(q, k, v, ids, jax.lax.axis_index(seq_axis) * n)
     if not return_max_logit:
       return out
-    return out, jax.lax.pmax(logit, _names(batch_axis, seq_axis))
+    return out, jax.lax.pmax(logit, axis_names(batch_axis, seq_axis))
 
-  tok_q, tok_kv = P(batch_axis, seq_axis, head_axis), P(batch_axis, None, head_axis)
-  shared_k = P(batch_axis) if k.shape[2] == 1 else tok_kv   # one key for all heads
+  tok_q = P(batch_axis, seq_axis, head_axis)
   out_specs = (tok_q, P(head_axis)) if return_max_logit else tok_q
   # check_vma=False: pallas_call's outputs carry no varying-axes annotation.
-  return jax.shard_map(body, mesh=mesh, in_specs=(tok_q, shared_k, tok_kv, P(batch_axis)),
+  return jax.shard_map(body, mesh=mesh, in_specs=(tok_q, kv_spec(k, batch_axis, head_axis),
+                                                  kv_spec(v, batch_axis, head_axis),
+                                                  P(batch_axis)),
                        out_specs=out_specs, check_vma=False)(q, k, v, segment_ids)
 
 

@@ -61,7 +61,8 @@ def _pad_ids(ids: jax.Array, t: int, start: int) -> jax.Array:
 def flash_tpu(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids: jax.Array,
               *, scale: float, causal: bool, interpret: bool = False,
               block: int = TPU_BLOCK) -> jax.Array:
-  """Splash attention. q: [B, Tq, H, Dqk]; k: [B, Tk, H, Dqk]; v: [B, Tk, H, Dv];
+  """Splash attention. q: [B, Tq, H, Dqk]; k: [B, Tk, H, Dqk]; v: [B, Tk, H, Dv] (or k, v
+  both with 1 head, shared by all: splash's multi-query kernel);
   q_ids [B, Tq], kv_ids [B, Tk] (from `unique_padding_ids`). Causal aligns the queries with
   the last Tq keys: query t sees keys s <= t + Tk - Tq (the usual mask when Tq == Tk).
   -> [B, Tq, H, Dv] in v's dtype. interpret: Pallas interpret mode (any platform).
@@ -77,14 +78,17 @@ def flash_tpu(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: jax.Array, kv_ids
   blocks = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
                              block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
                              block_q_dq=bq, block_kv_dq=bkv)
-  kernel = splash.make_splash_mha(splash.MultiHeadMask([mask] * h), block_sizes=blocks,
-                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+  shared = k.shape[2] == v.shape[2] == 1   # multi-query: k [T, Dqk], v [T, Dv] per row
+  make = splash.make_splash_mqa if shared else splash.make_splash_mha
+  kernel = make(splash.MultiHeadMask([mask] * h), block_sizes=blocks, head_shards=1,
+                q_seq_shards=1, interpret=interpret)
   heads_major = lambda x, t: jnp.swapaxes(_pad_rows(x, t), 1, 2)        # noqa: E731
+  kv_layout = (lambda x, t: _pad_rows(x, t)[:, :, 0]) if shared else heads_major
   ids = splash.SegmentIds(q=_pad_ids(q_ids, tq_p, tk), kv=_pad_ids(kv_ids, tk_p, tk))
   # splash has no softmax scale: it goes into q
   out = jax.vmap(kernel)(heads_major(q * jnp.asarray(scale, q.dtype), tq_p),
-                         heads_major(k.astype(q.dtype), tk_p),
-                         heads_major(v.astype(q.dtype), tk_p), ids)     # [B, H, Tq_p, Dv]
+                         kv_layout(k.astype(q.dtype), tk_p),
+                         kv_layout(v.astype(q.dtype), tk_p), ids)       # [B, H, Tq_p, Dv]
   return jnp.swapaxes(out, 1, 2)[:, :tq].astype(v.dtype)
 
 

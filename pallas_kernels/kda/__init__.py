@@ -2,13 +2,13 @@
 (arrays [B, T, H, ...], see `kda_naive`)."""
 
 import functools
-import math
 
 from pallas_kernels.kda.chunk import LOWER_BOUND, kda_chunk
 from pallas_kernels.kda.context import kda_context, kda_context_sharded
 from pallas_kernels.kda.naive import kda_naive
 from pallas_kernels.kda.pallas import default_chunk, kda_pallas, kda_pallas_sharded
 from pallas_kernels.platform import target_platform
+from pallas_kernels.shard_types import axis_size
 
 __all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", "kda_context",
            "kda_naive", "kda_pallas"]
@@ -34,12 +34,6 @@ def default_chunk_size(backend: str, platform: str) -> int:
   (`pallas.default_chunk`: 16 on GPU, 64 on TPU), else 64 (the chunk form)."""
   backend = resolve_backend(backend, platform)
   return default_chunk(platform) if backend == "kernel" else 64
-
-
-def _ways(mesh, axes) -> int:
-  """How many devices of `mesh` the mesh axis or axes `axes` span."""
-  names = (axes,) if isinstance(axes, str) else tuple(axes)
-  return math.prod(mesh.shape[a] for a in names)
 
 
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
@@ -68,7 +62,7 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   split = mesh is not None and seq_axis is not None
   if not chunk_size:
     chunk_size = default_chunk_size(backend, platform)
-    while split and chunk_size > 16 and (q.shape[1] // _ways(mesh, seq_axis)) % chunk_size:
+    while split and chunk_size > 16 and (q.shape[1] // axis_size(mesh, seq_axis)) % chunk_size:
       chunk_size //= 2   # whole chunks in each device's slice
   backend = resolve_backend(backend, platform)
   interpret = backend == "interpret"
