@@ -219,15 +219,23 @@ def test_context_parallel_matches_dense(backend, c, shape, batch_axis, seq_axis)
     check_close(g, r)
 
 
-def test_context_parallel_gpu_gathers(monkeypatch):
-  """The GPU path with seq_axis (c = 4), run as lowered for CUDA with Triton interpreted:
-  it gathers T (each device computes all rows of its heads) and equals the reference."""
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_context_parallel_gpu_gathers(monkeypatch, shared_kv):
+  """The GPU path with seq_axis (c = 2, 4), run as lowered for CUDA with Triton interpreted:
+  it gathers T (each device computes all rows of its heads) and equals the reference; with
+  keys and values shared by all heads (MLA absorbed) and the heads split over tensor, each
+  device copies them to its own heads."""
   import pallas_kernels.attention as attention_ops  # noqa: PLC0415
   monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, **_: cuda(*args))
   monkeypatch.setattr(attention_ops, "flash_gpu", functools.partial(flash_gpu, interpret=True))
-  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "context"))
+  shape, names = ((2, 2, 2), ("data", "context", "tensor")) if shared_kv else (
+      (2, 4), ("data", "context"))
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(shape), names)
   q, k, v, w = cp_inputs(1)
-  got = cp_run("flash", q, k, v, w, mesh=mesh, batch_axis="data", seq_axis="context")
+  if shared_kv:
+    v = v[:, :, :1]
+  got = cp_run("flash", q, k, v, w, mesh=mesh, batch_axis="data", seq_axis="context",
+               head_axis="tensor" if shared_kv else None)
   for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(cp_run("dense", q, k, v, w))):
     check_close(g, r)
 

@@ -94,9 +94,11 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
 
   if backend == "dense":
     return dense(q, k, v)
-  per_head = lambda x: jnp.broadcast_to(x, (*x.shape[:2], q.shape[2], x.shape[3]))  # noqa: E731
+  def per_head(x, heads):  # [B, T, 1 or heads, D] -> [B, T, heads, D]
+    return jnp.broadcast_to(x, (*x.shape[:2], heads, x.shape[3]))
+
   if v.shape[2] > 1:   # splash's multi-query form needs k and v shared; else one per head
-    k = per_head(k)
+    k = per_head(k, q.shape[2])
   ids = unique_padding_ids(segment_ids)
   shard = functools.partial(_sharded, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)
 
@@ -118,8 +120,9 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
 
   tpu = functools.partial(flash_tpu, scale=scale, causal=causal)
 
-  def gpu(q, k, v, ids, _):
-    return flash_gpu(q, per_head(k), per_head(v), ids, scale=scale, causal=causal)
+  def gpu(q, k, v, ids, _):  # per device: q's heads are the local ones
+    return flash_gpu(q, per_head(k, q.shape[2]), per_head(v, q.shape[2]), ids, scale=scale,
+                     causal=causal)
 
   interpreted = functools.partial(tpu, interpret=True)
   forced = backend == "flash"
