@@ -14,8 +14,8 @@ import ml_collections
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16")
-EXPERT_SPLITS = ("batch", "seq")
-MLA_FORMS = ("expanded", "absorbed")  # what mesh.expert splits outside the MoE (parallel.rules)
+EXPERT_SPLITS = ("batch", "seq")  # what mesh.expert splits outside the MoE (parallel.rules)
+MLA_FORMS = ("expanded", "absorbed")  # model.mla.form
 
 
 def base_config() -> ml_collections.ConfigDict:

@@ -201,6 +201,17 @@ def cp_run(backend, q, k, v, w, **kw):
   return out, logit, grads
 
 
+def check_cp_equals_dense(backend, q, k, v, w, **where):
+  """`backend` placed as `where` says gives the unsharded dense reference's output, max
+  logit and gradients."""
+  out, logit, grads = cp_run(backend, q, k, v, w, **where)
+  ref, ref_logit, ref_grads = cp_run("dense", q, k, v, w)
+  check_close(out, ref)
+  np.testing.assert_allclose(np.asarray(logit), np.asarray(ref_logit), rtol=1e-6)
+  for g, r in zip(grads, ref_grads):
+    check_close(g, r)
+
+
 @pytest.mark.parametrize("backend", ["dense", "flash"])
 @pytest.mark.parametrize("c, shape, batch_axis, seq_axis", CP_LAYOUTS)
 def test_context_parallel_matches_dense(backend, c, shape, batch_axis, seq_axis):
@@ -210,13 +221,8 @@ def test_context_parallel_matches_dense(backend, c, shape, batch_axis, seq_axis)
   all-padding row. Output, max logit and every gradient equal the unsharded reference."""
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(shape), ("data", "context", "tensor"))
   q, k, v, w = cp_inputs(1 if isinstance(seq_axis, str) else 2)
-  out, logit, grads = cp_run(backend, q, k, v, w, mesh=mesh, batch_axis=batch_axis,
-                             head_axis="tensor", seq_axis=seq_axis)
-  ref, ref_logit, ref_grads = cp_run("dense", q, k, v, w)
-  check_close(out, ref)
-  np.testing.assert_allclose(np.asarray(logit), np.asarray(ref_logit), rtol=1e-6)
-  for g, r in zip(grads, ref_grads):
-    check_close(g, r)
+  check_cp_equals_dense(backend, q, k, v, w, mesh=mesh, batch_axis=batch_axis,
+                        head_axis="tensor", seq_axis=seq_axis)
 
 
 @pytest.mark.parametrize("shared_kv", [False, True])
@@ -356,10 +362,5 @@ def test_multi_query_flash_matches_dense(c, shape, batch_axis, seq_axis):
                 randn(33, b, t, h, 24))
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:math.prod(shape)]).reshape(shape),
                            ("data", "context", "tensor"))
-  out, logit, grads = cp_run("flash", q, k, v, w, mesh=mesh, batch_axis=batch_axis,
-                             head_axis="tensor", seq_axis=seq_axis)
-  ref, ref_logit, ref_grads = cp_run("dense", q, k, v, w)
-  check_close(out, ref)
-  np.testing.assert_allclose(np.asarray(logit), np.asarray(ref_logit), rtol=1e-6)
-  for g, r in zip(grads, ref_grads):
-    check_close(g, r)
+  check_cp_equals_dense("flash", q, k, v, w, mesh=mesh, batch_axis=batch_axis,
+                        head_axis="tensor", seq_axis=seq_axis)

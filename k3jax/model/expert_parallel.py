@@ -63,7 +63,7 @@ def experts_split(mesh) -> bool:
   no mesh, no split)."""
   if mesh is None:
     return False
-  ep = _mesh_axes(axes.logical_to_spec(("experts",))[0])
+  ep = axes.mesh_axes("experts")
   return math.prod(mesh.shape[name] for name in ep) > 1
 
 
@@ -123,7 +123,7 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
 def _layout(mesh, num_experts: int, name: str):
   """(batch, ep, lat, hid): the mesh axes of the rules' `batch`, `experts`, `latent`, `mlp`;
   ValueError when the experts or the batch cannot be split as the dispatch `name` needs."""
-  batch = _mesh_axes(axes.logical_to_spec(("batch",))[0])
+  batch = axes.mesh_axes("batch")
   ep, lat, hid = (_mesh_axes(a) for a in axes.logical_to_spec(("experts", "latent", "mlp")))
   if len(ep) > 1:
     raise ValueError(f"{name} dispatch: experts map to one mesh axis, got {ep}")

@@ -84,16 +84,19 @@ class MLA(nnx.Module):
     self.w_g = Dense(d, (h, self.v_dim), ("embed", "heads", "head_dim"), **dense)
     self.w_o = Dense((h, self.v_dim), d, ("heads", "head_dim", "embed"), **dense)
 
+  def _queries(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Both forms' start: q [B, T, H, nope + rope] and x W_kva [B, T, kv_lora + rope]."""
+    x = constrain(x.astype(self.dtype), BTE)
+    c_q = constrain(self.q_norm(self.wq_a(x)), ("batch", "seq", "q_lora"))
+    return constrain(self.wq_b(c_q), BTHD), self.wkv_a(x)
+
   def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, H, nope+rope], k [B, T, H, nope+rope] (shared rope slot), v [B, T, H, v].
 
     Under context parallelism (`seq` split over devices) q keeps the device's positions
     while k and v cover every position of its rows (`KV`): the compressed c_kv and k_r
     (kv_lora + rope values a token) are what crosses devices, then expanded on each."""
-    x = constrain(x.astype(self.dtype), BTE)
-    c_q = constrain(self.q_norm(self.wq_a(x)), ("batch", "seq", "q_lora"))
-    q = constrain(self.wq_b(c_q), BTHD)
-    kv_a = self.wkv_a(x)                                                 # [B, T, kv_lora + rope]
+    q, kv_a = self._queries(x)
     c_kv = constrain(self.kv_norm(kv_a[..., :self.kv_lora]), ("batch", "kv_seq", "kv_lora"))
     k_r = constrain(kv_a[..., self.kv_lora:], ("batch", "kv_seq", "head_dim"))  # [B, T, rope]
     kv = constrain(self.wkv_b(c_kv), KV)                                 # [B, T, H, nope + v]
@@ -107,13 +110,10 @@ class MLA(nnx.Module):
   def project_absorbed(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The absorbed form's q' [B, T, H, kv_lora + rope], k' [B, T, 1, kv_lora + rope] and
     values c_kv [B, T, 1, kv_lora] (module docstring)."""
-    x = constrain(x.astype(self.dtype), BTE)
-    c_q = constrain(self.q_norm(self.wq_a(x)), ("batch", "seq", "q_lora"))
-    q = constrain(self.wq_b(c_q), BTHD)
+    q, kv_a = self._queries(x)
     w_uk = self.wkv_b.kernel[...][..., :self.nope].astype(self.dtype)  # [kv_lora, H, nope]
     q_lat = jnp.einsum("bthn,chn->bthc", q[..., :self.nope], w_uk)
     q = constrain(jnp.concatenate([q_lat, q[..., self.nope:]], axis=-1), BTHD)
-    kv_a = self.wkv_a(x)
     c_kv = self.kv_norm(kv_a[..., :self.kv_lora])[:, :, None, :]       # [B, T, 1, kv_lora]
     k = jnp.concatenate([c_kv, kv_a[..., None, self.kv_lora:]], axis=-1)
     return q, constrain(k, SHARED_KV), constrain(c_kv, SHARED_KV)
