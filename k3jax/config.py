@@ -202,6 +202,9 @@ def base_config() -> ml_collections.ConfigDict:
   # The token dimension mesh.expert splits outside the MoE layers: "batch" (rows) or "seq"
   # (positions, with mesh.context: sequences too long for a row per expert device)
   p.expert_splits = "batch"
+  # TPU: an axis may take part of a physical torus axis (e.g. 4 x 2 of an 8-chip ring);
+  # its collectives then use part of a ring. False: each axis is whole physical axes.
+  p.split_physical_axes = False
   # Multi-slice TPU: how many of each axis's ways run across slices over DCN (the rest, the
   # ICI part mesh.<axis> / dcn_<axis>, stay within a slice); they multiply to the number of
   # slices. Usually data parallelism alone crosses DCN: dcn_data = slices.

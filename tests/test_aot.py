@@ -134,6 +134,24 @@ def test_a_one_slice_pod_is_one_slice():
   assert dict(mesh.shape)["fsdp"] == 16 and set(parallel.slices_along(mesh).values()) == {1}
 
 
+def test_an_axis_may_split_a_physical_axis_when_asked():
+  """fsdp 4 x context 2 on the 8-chip x ring of v5p 8x8x16 (expert over y x z): refused by
+  default, naming mesh.split_physical_axes; with it, each context pair is two neighbouring
+  chips and fsdp strides over the ring."""
+  devices = aot.topology_devices("v5:8x8x16", chip_config="megacore",
+                                 chips_per_host_bounds=(2, 2, 1))
+  cfg = micro_config()
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.expert, cfg.mesh.context = 1, 4, 128, 2
+  with pytest.raises(k3config.ConfigError, match="mesh.split_physical_axes"):
+    parallel.make_mesh(cfg.mesh, devices)
+  cfg.mesh.split_physical_axes = True
+  mesh = parallel.make_mesh(cfg.mesh, devices)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 128, "context": 2, "tensor": 1}
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+  pair = [d.coords for d in mesh.devices[0, 0, 0, :, 0]]
+  assert sum(abs(a - b) for a, b in zip(*pair)) == 1
+
+
 def test_xla_options_reach_the_tpu_compiler():
   """config.train.xla_options is compiled into the steps: with XLA:TPU's latency-hiding
   scheduler off (what fits k3_full:tpu7x-1024) the eval step of a v5p fsdp mesh compiles to

@@ -108,6 +108,10 @@ def make_mesh(cfg_mesh: ml_collections.ConfigDict,
     # One slice (or GPU/CPU processes without a DCN split asked for): one ICI mesh.
     dcn_shape(cfg_mesh, sizes, 1)
     with _named_layout_error(sizes, groups[0]):
+      if cfg_mesh.split_physical_axes and devices[0].platform == "tpu":
+        array = mesh_utils.create_device_mesh(tuple(sizes[a] for a in MESH_AXES), devices,
+                                              allow_split_physical_axes=True)
+        return Mesh(array, MESH_AXES, axis_types=axis_types)
       return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices=devices,
                            axis_types=axis_types)
   dcn = dcn_shape(cfg_mesh, sizes, len(groups))
@@ -122,7 +126,8 @@ def make_mesh(cfg_mesh: ml_collections.ConfigDict,
     array = mesh_utils.create_hybrid_device_mesh(
         ici, tuple(dcn[a] for a in MESH_AXES), devices,
         process_is_granule=not hasattr(devices[0], "slice_index"),
-        allow_split_physical_axes=devices[0].device_kind in ("TPU v5 lite", "TPU v5e"))
+        allow_split_physical_axes=(cfg_mesh.split_physical_axes
+                                   or devices[0].device_kind in ("TPU v5 lite", "TPU v5e")))
   return Mesh(np.asarray(array), MESH_AXES, axis_types=axis_types)
 
 
@@ -138,8 +143,9 @@ def _named_layout_error(ici: dict[str, int], slice_devices: Sequence[jax.Device]
     raise ConfigError(
         f"config.mesh: the axes {ici} within a slice do not lay out on its "
         f"{len(slice_devices)} {slice_devices[0].device_kind} devices (chips {torus}): each "
-        f"axis must be a product of whole physical axes; choose sizes that are, or move a "
-        f"factor across slices (mesh.dcn_*) ({type(e).__name__}: {str(e).splitlines()[0]})"
+        f"axis must be a product of whole physical axes; choose sizes that are, move a "
+        f"factor across slices (mesh.dcn_*) or set mesh.split_physical_axes "
+        f"({type(e).__name__}: {str(e).splitlines()[0]})"
     ) from None
 
 
