@@ -56,6 +56,9 @@ _SHARERS = flags.DEFINE_integer(
 _SHARE_DIR = flags.DEFINE_string("share_dir", None, "a new directory where --sharers meet")
 _SHARE_WAIT = flags.DEFINE_float("share_wait", 1800.0, "seconds a sharer waits for the others "
                                  "to compile (one refused at its flags leaves no mark)")
+_PROFILE_DIR = flags.DEFINE_string(
+    "profile_dir", None, "trace one more train step (after the timed ones) with the JAX "
+    "profiler into this directory, with a Perfetto copy for benchmarks/gpu_trace.py")
 _TRAIN_STEP = flags.DEFINE_bool("train_step", True, "also compile and time the train step "
                                 "(minutes of compile for k3_small)")
 
@@ -74,12 +77,8 @@ def first_batch(cfg) -> dict:
     print(f"# first batch of the data pipeline: {images} images, {patches} patches, "
           f"{int(np.sum(batch['weights']))} weighted targets", flush=True)
     return {k: jnp.asarray(v) for k, v in batch.items()}
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1))
-  return {"inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
-          "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
-          "segment_ids": jnp.ones((t.global_batch, t.seq_len), jnp.int32),
-          "weights": jnp.ones((t.global_batch, t.seq_len), jnp.float32)}
+  return {k: jnp.asarray(v) for k, v in k3data.synthetic_batch(
+      t.global_batch, t.seq_len, cfg.model.vocab_size).items()}
 
 
 def timed(fn, *args, reps: int) -> tuple[float, object]:
@@ -220,6 +219,10 @@ def main(argv):
       losses.append(float(out["loss"]))
       if i >= 2:  # after 2 warm-up steps
         times.append(time.perf_counter() - t0)
+    if _PROFILE_DIR.value:
+      with jax.profiler.trace(_PROFILE_DIR.value, create_perfetto_trace=True):
+        *state, out = step(*state, batch)
+        jax.block_until_ready(out)
   print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
   step_time = float(np.median(times))
   loss = float(out["loss"])

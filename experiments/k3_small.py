@@ -9,17 +9,32 @@ of 4 layers. The vocabulary is K3's, so a real tokenizer can replace the byte de
 "multimodal" (`--config=experiments/k3_small.py:multimodal`): the 12-layer MoonViT-V2 below
 on, reading generated pictures of 224-448 px (16-32 patches a side) mixed 1:1 with text;
 each batch row packs up to 8 of them in 4,096 patches.
+
+"32k", "128k": long sequences (2 x 32,768 tokens a step as two microbatches; 1 x 131,072):
+Triton flash attention for MLA (no [T, T] scores), each scanned layer its own remat region,
+the LM head and loss 4,096 positions at a time. With several GPUs, `--config.mesh.context=N`
+splits each sequence over N of them (the Triton kernel takes no query offset yet: each GPU
+attends for all rows of its sequence). Tokens/s and fit on one H200:
+benchmarks/results/context_parallel.md.
 """
 
 from k3jax import config as k3config
 
 
-VARIANTS = (None, "", "multimodal")
+_LONG = {"model.mla.attention": "flash", "model.remat_scope": "layer",
+         "model.attn_res.scan_saves": "partial", "train.loss_chunk": 4_096}
+_LONG_VARIANTS = {
+    "32k": {**_LONG, "train.seq_len": 32_768, "train.global_batch": 2, "train.microbatches": 2},
+    "128k": {**_LONG, "train.seq_len": 131_072, "train.global_batch": 1,
+             "train.microbatches": 1},
+}
+VARIANTS = (None, "", "multimodal", *_LONG_VARIANTS)
 
 
 def get_config(arg: str | None = None):
   if arg not in VARIANTS:
-    raise ValueError(f"experiments/k3_small.py: unknown variant {arg!r} (known: multimodal)")
+    raise ValueError(f"experiments/k3_small.py: unknown variant {arg!r} "
+                     f"(known: {', '.join(VARIANTS[2:])})")
   c = k3config.base_config()
   m = c.model
   m.d_model = 2_048
@@ -58,4 +73,6 @@ def get_config(arg: str | None = None):
     v.enabled, v.max_media = True, 8
     c.data.images.source, c.data.images.weight = "generated", 1.0
     c.data.images.min_size, c.data.images.max_size = 224, 448
+  if arg in _LONG_VARIANTS:
+    c.update_from_flattened_dict(_LONG_VARIANTS[arg])
   return c

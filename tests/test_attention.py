@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax import config as k3config
 from k3jax.model.mla import MLA
 from pallas_kernels.attention import (attention, attention_reference, flash_gpu, flash_tpu,
-                                      max_logit, unique_padding_ids)
+                                      max_logit, max_logit_block, unique_padding_ids)
 
 RTOL, ATOL = 1e-5, 2e-5   # fp32: flash and dense differ only in summation order
 
@@ -116,6 +116,15 @@ def test_max_logit_equals_dense(causal):
   assert np.all(np.asarray(tiled(q, k, jnp.zeros_like(ids))) == -np.inf)
   g = jax.jit(jax.grad(lambda q: jnp.sum(tiled(q, k, ids))))(q)
   assert not np.asarray(g).any()
+
+
+def test_max_logit_tiles_grow_for_long_rows_of_few_heads():
+  """The tile side doubles from 512 while one fp32 tile stays within the byte budget and
+  below T: a 131,072-token row of 16 heads is not 8,000 tiny tiles a layer."""
+  assert max_logit_block(1, 16, 131_072) == 2048          # 16 x 2048^2 x 4 B = 256 MiB
+  assert max_logit_block(1, 96, 1_048_576) == 512         # 96 heads: 512 already fits
+  assert max_logit_block(1, 1, 600) == 512                # never below 512, never past T
+  assert max_logit_block(2, 4, 100_000) == 2048
 
 
 def _loss_fn(backend, causal=True, **kw):

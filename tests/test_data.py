@@ -95,24 +95,44 @@ def test_shapes_and_dtypes(packing):
     assert b["weights"].shape == (BATCH, SEQ) and b["weights"].dtype == np.float32
 
 
+def _assert_rows_are_packed_documents(b):
+  """segment ids 1, 2, ... in order, padding (0) only at a row's end, positions from 0 in
+  each segment, targets the next input within a segment, weights on real tokens."""
+  seg, pos = b["segment_ids"], b["positions"]
+  np.testing.assert_array_equal(b["weights"], (seg > 0).astype(np.float32))
+  for r in range(seg.shape[0]):
+    s, p = seg[r], pos[r]
+    n = int((s > 0).sum())
+    assert s[0] == 1 and np.all(s[n:] == 0)              # padding only at the row end
+    assert set(np.diff(s[:n]).tolist()) <= {0, 1}         # segments 1, 2, ... in order
+    assert np.all(b["inputs"][r][n:] == 0) and np.all(b["targets"][r][n:] == 0)
+    assert np.all(p[n:] == 0)
+    starts = np.concatenate([[True], s[1:n] != s[:n - 1]])
+    assert np.all(p[:n][starts] == 0)
+    assert np.all(p[1:n][~starts[1:]] == p[:n - 1][~starts[1:]] + 1)
+    same = (s[1:] == s[:-1]) & (s[1:] > 0)
+    np.testing.assert_array_equal(b["inputs"][r][1:][same], b["targets"][r][:-1][same])
+
+
 @pytest.mark.parametrize("packing", PACKINGS)
 def test_row_invariants(packing):
   for b in _take(data.make_dataset(_cfg(packing), seq_len=SEQ, global_batch=BATCH, seed=1), 8):
-    seg, pos = b["segment_ids"], b["positions"]
-    np.testing.assert_array_equal(b["weights"], (seg > 0).astype(np.float32))
-    for r in range(BATCH):
-      s, p = seg[r], pos[r]
-      n = int((s > 0).sum())
-      assert s[0] == 1 and np.all(s[n:] == 0)              # padding only at the row end
-      assert set(np.diff(s[:n]).tolist()) <= {0, 1}         # segments 1, 2, ... in order
-      assert np.all(b["inputs"][r][n:] == 0) and np.all(b["targets"][r][n:] == 0)
-      assert np.all(p[n:] == 0)
-      starts = np.concatenate([[True], s[1:n] != s[:n - 1]])
-      assert np.all(p[:n][starts] == 0)
-      assert np.all(p[1:n][~starts[1:]] == p[:n - 1][~starts[1:]] + 1)
-      same = (s[1:] == s[:-1]) & (s[1:] > 0)
-      np.testing.assert_array_equal(b["inputs"][r][1:][same], b["targets"][r][:-1][same])
-      assert np.all(b["targets"][r][:n] != TOK.bos)
+    _assert_rows_are_packed_documents(b)
+    assert np.all(b["targets"][b["segment_ids"] > 0] != TOK.bos)
+
+
+@pytest.mark.parametrize("documents", [1, 3, 64])
+def test_synthetic_batch_is_shaped_like_the_pipeline(documents):
+  """The random-token batch that benchmarks time: the pipeline's features, shapes, dtypes and
+  row invariants, `documents` segments a row."""
+  b = data.synthetic_batch(BATCH, 64, 300, documents=documents)
+  assert sorted(b) == sorted(data.FEATURES)
+  for k, v in b.items():
+    assert v.shape == (BATCH, 64) and v.dtype == (np.float32 if k == "weights" else np.int32)
+  _assert_rows_are_packed_documents(b)
+  assert b["segment_ids"].max() == documents and b["inputs"].max() < 300
+  with pytest.raises(ValueError, match="documents"):
+    data.synthetic_batch(BATCH, 64, 300, documents=65)
 
 
 def test_first_fit_rows_hold_whole_pieces():

@@ -16,6 +16,7 @@ from k3jax.data.pipeline import (
     source_pieces,
 )
 from k3jax.data.sources import FORMATS
+from k3jax.data.synthetic import synthetic_batch
 from k3jax.data.tokenizer import (
     TOKENIZERS,
     ByteTokenizer,
@@ -52,5 +53,6 @@ __all__ = [
     "make_tokenizer",
     "piece_dataset",
     "source_pieces",
+    "synthetic_batch",
     "unigram_entropy",
 ]

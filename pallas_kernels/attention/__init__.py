@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.context import context_parallel, flash_tpu_window, kv_spec
-from pallas_kernels.attention.flash import flash_gpu, flash_tpu, max_logit, unique_padding_ids
+from pallas_kernels.attention.flash import (flash_gpu, flash_tpu, max_logit, max_logit_block,
+                                            unique_padding_ids)
 from pallas_kernels.attention.reference import attention_mask, attention_reference
 
 __all__ = ["BACKENDS", "attention", "attention_mask", "attention_reference", "flash_gpu",
-           "flash_tpu", "max_logit", "unique_padding_ids"]
+           "flash_tpu", "max_logit", "max_logit_block", "unique_padding_ids"]
 
 BACKENDS = ("auto", "flash", "dense")
 

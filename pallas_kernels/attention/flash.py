@@ -32,7 +32,18 @@ TPU_BLOCK = 512     # splash q / kv block (MaxText's default) where T allows
 GPU_BLOCK_BYTES = 128  # Triton forward q / kv block = this / itemsize (bf16: 64, fp32: 32): the
                        # q tile and two stages of k, v tiles [block, 256] fit H200 shared memory
 GPU_BWD_BLOCK = 32  # Triton backward blocks (the library default)
-MAX_LOGIT_BLOCK = 512
+MAX_LOGIT_BLOCK = 512          # the smallest max-logit tile side
+MAX_LOGIT_TILE_BYTES = 2**28   # larger tiles while one fp32 tile [B, H, block, block] fits:
+                               # long rows of few heads otherwise run as many tiny kernels
+
+
+def max_logit_block(b: int, h: int, t: int) -> int:
+  """The max-logit tile side for B rows of H heads and T keys: MAX_LOGIT_BLOCK doubled while
+  the fp32 tile stays within MAX_LOGIT_TILE_BYTES and below T."""
+  block = MAX_LOGIT_BLOCK
+  while 2 * block <= t and b * h * (2 * block) ** 2 * 4 <= MAX_LOGIT_TILE_BYTES:
+    block *= 2
+  return block
 
 
 def _round_up(n: int, m: int) -> int:
@@ -112,21 +123,21 @@ def flash_gpu(q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *, scale
 
 
 def max_logit(q: jax.Array, k: jax.Array, segment_ids: jax.Array, *, scale: float,
-              causal: bool, q_offset=0, block: int = MAX_LOGIT_BLOCK) -> jax.Array:
+              causal: bool, q_offset=0, block: int | None = None) -> jax.Array:
   """Each head's largest pre-softmax logit over the real (segment != 0) queries and the
   keys they see, as the dense reference returns it: [H] fp32, no gradient.
 
   q: [B, Tq, H, Dqk], the queries at positions q_offset .. q_offset + Tq - 1 (an int or a
   traced scalar; default all T); k: [B, T, H or 1, Dqk]; segment_ids [B, T] (0 = padding).
-  Loops over [block, block] tiles (skipping those above the diagonal when causal); live
-  memory is one fp32 tile [B, H, block, block]. Cost: the q k^T product once more,
-  B H T^2 Dqk FLOPs causal (2 B H T^2 Dqk not), i.e. the forward kernel's first matmul
-  again; for K3's MLA (Dqk 192, Dv 128) ~60% of the flash forward, ~17% of forward +
-  backward.
+  Loops over [block, block] tiles (skipping those above the diagonal when causal; block
+  None: `max_logit_block`); live memory is one fp32 tile [B, H, block, block]. Cost: the
+  q k^T product once more, B H T^2 Dqk FLOPs causal (2 B H T^2 Dqk not), i.e. the forward
+  kernel's first matmul again.
   """
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k.astype(q.dtype))
   b, tq, h, _ = q.shape
   t = k.shape[1]
+  block = block or max_logit_block(b, h, t)
   bq, bk = min(block, tq), min(block, t)
   nq, nk = -(-tq // bq), -(-t // bk)
   tiles = lambda x, n, bs: _pad_rows(x, n * bs).reshape(b, n, bs, *x.shape[2:])  # noqa: E731
