@@ -39,8 +39,10 @@ _PRETRAIN = {"mesh.data": 1, "mesh.fsdp": 8, "mesh.expert": 128, "mesh.tensor": 
              # splash attention on TPU: no [B, H, T, T] scores (131,072 tokens need it)
              "model.mla.attention": "auto"}
 _LONG = {**_PRETRAIN, "train.seq_len": 1_048_576, "train.global_batch": 4,
-         "train.microbatches": 4, "mesh.fsdp": 1, "mesh.expert": 128, "mesh.context": 8,
-         "mesh.expert_splits": "seq", "model.mla.form": "absorbed"}
+         "train.microbatches": 1, "mesh.fsdp": 4, "mesh.expert": 128, "mesh.context": 2,
+         "mesh.split_physical_axes": True, "mesh.expert_splits": "seq",
+         "model.mla.form": "absorbed",
+         "train.xla_options": "xla_tpu_enable_latency_hiding_scheduler=false"}
 VARIANTS = {
     # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step. Fits: 87.2 GiB per
     # chip (aot_k3_full.md row H''; the smallest v5p slice that does: half of it holds 54.5
@@ -56,16 +58,16 @@ VARIANTS = {
     # not fit (536.7 GiB of temporaries); 4,096 is the longest sequence that does.
     "v5p-2048-128k": dict(topology=_V5P_2048, fields={**_PRETRAIN, "train.seq_len": 131_072}),
     # K3's 1,048,576-token context: four sequences a step (4.19M tokens, as in pretraining),
-    # each split into 1,024 slices of 1,024 positions over expert x context (whole torus
-    # axes: 8 x 16 and 8), one sequence a microbatch: every device holds 1,024 positions of
-    # one row at a time. The experts stay on the 128-way expert axis (mesh.expert_splits: it
-    # splits positions, not rows). MLA in its absorbed form: each device attends over all
-    # earlier positions of its rows through the gathered c_kv and shared key (576 values a
-    # token) instead of 96 heads' keys and values. Does not fit yet (aot_k3_full.md, Long
-    # context).
+    # the rows over fsdp (4), each row's positions over expert x context (128 x 2 = 256
+    # slices of 4,096): every device holds 4,096 positions, as in pretraining, and no
+    # microbatch loop is needed. fsdp 4 x context 2 share the 8-chip x ring
+    # (mesh.split_physical_axes). The experts stay on the 128-way expert axis
+    # (mesh.expert_splits: it splits positions, not rows). MLA in its absorbed form: each
+    # device attends over all earlier positions of its row through the gathered c_kv and
+    # shared key (576 values a token) instead of 96 heads' keys and values. XLA's
+    # latency-hiding scheduler off, as on tpu7x-1024. Its fit: aot_k3_full.md, Long context.
     "v5p-2048-1m": dict(topology=_V5P_2048, fields=_LONG),
-    "tpu7x-1024-1m": dict(topology=dict(name="tpu7x:8x8x8"), fields={
-        **_LONG, "train.xla_options": "xla_tpu_enable_latency_hiding_scheduler=false"}),
+    "tpu7x-1024-1m": dict(topology=dict(name="tpu7x:8x8x8"), fields=_LONG),
 }
 
 
