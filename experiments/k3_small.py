@@ -34,7 +34,7 @@ VARIANTS = (None, "", "multimodal", *_LONG_VARIANTS)
 def get_config(arg: str | None = None):
   if arg not in VARIANTS:
     raise ValueError(f"experiments/k3_small.py: unknown variant {arg!r} "
-                     f"(known: {', '.join(VARIANTS[2:])})")
+                     f"(known: {', '.join(v for v in VARIANTS if v)})")
   c = k3config.base_config()
   m = c.model
   m.d_model = 2_048

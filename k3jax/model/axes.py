@@ -76,18 +76,21 @@ def logical_to_spec(names: AxisNames, rules=None) -> PartitionSpec:
   spec = []
   for name in names:
     target = rules.get(name) if name is not None else None
-    axes = (target,) if isinstance(target, str) else tuple(target or ())
-    axes = tuple(a for a in axes if a not in used)
+    axes = tuple(a for a in spec_axes(target) if a not in used)
     used.update(axes)
     spec.append(axes[0] if len(axes) == 1 else (axes or None))
   return PartitionSpec(*spec)
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def mesh_axes(name: str, rules=None) -> tuple[str, ...]:
   """The mesh axes the rules (default: the installed ones) map the logical axis `name` to
   (empty: none)."""
-  entry = logical_to_spec((name,), rules)[0]
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+  return spec_axes(logical_to_spec((name,), rules)[0])
 
 
 def split_ways(name: str) -> int:

@@ -28,11 +28,6 @@ from jax.sharding import PartitionSpec as P
 from k3jax.model import axes
 
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
   """table [V, d] (logical axes vocab, embed), tokens [B, T] int -> rows [B, T, d] in `dtype`,
   equal to `jnp.take(table, tokens, axis=0).astype(dtype)`.
@@ -42,7 +37,7 @@ def lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
   mesh = axes.current_mesh()
   if mesh is None:
     return jnp.take(table, tokens, axis=0).astype(dtype)
-  vocab, embed = (_mesh_axes(a) for a in axes.logical_to_spec(("vocab", "embed")))
+  vocab, embed = axes.mesh_axes("vocab"), axes.mesh_axes("embed")
   batch, seq = axes.mesh_axes("batch"), axes.mesh_axes("seq")
   if not set(embed) <= set(batch) | set(seq) or set(vocab) & (set(batch) | set(seq)):
     return jnp.take(table, tokens, axis=0).astype(dtype)

@@ -53,11 +53,6 @@ from k3jax.model.moe_dispatch import (batched_glu_experts, capacity_moe, droples
                                       ragged_glu_experts)
 
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-  """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def experts_split(mesh) -> bool:
   """Whether the rules of `axes.use_rules` split the experts over devices of `mesh` (None:
   no mesh, no split)."""
@@ -124,7 +119,7 @@ def _layout(mesh, num_experts: int, name: str):
   """(batch, ep, lat, hid): the mesh axes of the rules' `batch`, `experts`, `latent`, `mlp`;
   ValueError when the experts or the batch cannot be split as the dispatch `name` needs."""
   batch = axes.mesh_axes("batch")
-  ep, lat, hid = (_mesh_axes(a) for a in axes.logical_to_spec(("experts", "latent", "mlp")))
+  ep, lat, hid = (axes.mesh_axes(name) for name in ("experts", "latent", "mlp"))
   if len(ep) > 1:
     raise ValueError(f"{name} dispatch: experts map to one mesh axis, got {ep}")
   ep_size = mesh.shape[ep[0]] if ep else 1

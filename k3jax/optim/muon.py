@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from k3jax.model.axes import STACKED_AXES, axis_names, is_variable
+from k3jax.model.axes import STACKED_AXES, axis_names, is_variable, spec_axes
 from pallas_kernels.newton_schulz import newton_schulz
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,7 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
     """blocks [*batch, fan_in, fan_out] sharded as spec (`BlockLayout.block_spec`)."""
     if mesh is None or spec is None:
       return ns(blocks)
-    fan_axes = [_mesh_axes(e) for e in spec[-2:]]
+    fan_axes = [spec_axes(e) for e in spec[-2:]]
     ways = [math.prod(mesh.shape[a] for a in axes) for axes in fan_axes]
 
     def local(x):  # this device's blocks, each a [fan_in / ways_in, fan_out / ways_out] piece
@@ -209,11 +209,6 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
             MuonState(jax.tree.unflatten(treedef, [m for _, m in done])))
 
   return optax.GradientTransformation(init, update)
-
-
-def _mesh_axes(entry) -> tuple[str, ...]:
-  """A PartitionSpec entry as a tuple of mesh axis names."""
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _unwrap(x):

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.config import EXPERT_SPLITS, ConfigError
-from k3jax.model.axes import axis_names, is_variable, logical_to_spec
+from k3jax.model.axes import axis_names, is_variable, logical_to_spec, spec_axes
 
 def rules(expert_splits: str = "batch") -> tuple:
   """The logical-axis rules. `expert_splits` (config.mesh.expert_splits): the token
@@ -54,8 +54,8 @@ def check_divisible(state: Any, mesh: Mesh, rules=RULES) -> None:
   for path, var in jax.tree_util.tree_leaves_with_path(
       state, is_leaf=is_variable):
     spec = logical_to_spec(axis_names(var), rules)
-    for dim, (size, axes, name) in enumerate(zip(var.shape, spec, axis_names(var))):
-      axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    for dim, (size, entry, name) in enumerate(zip(var.shape, spec, axis_names(var))):
+      axes = spec_axes(entry)
       ways = 1
       for a in axes:
         ways *= mesh.shape[a]
