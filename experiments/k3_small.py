@@ -10,18 +10,20 @@ of 4 layers. The vocabulary is K3's, so a real tokenizer can replace the byte de
 on, reading generated pictures of 224-448 px (16-32 patches a side) mixed 1:1 with text;
 each batch row packs up to 8 of them in 4,096 patches.
 
+MLA attention is "auto": on a GPU, cuDNN's flash attention (Triton `mha` for rows of many
+documents; `pallas_kernels.attention.flash_cuda`), no [T, T] scores.
+
 "32k", "128k": long sequences (2 x 32,768 tokens a step as two microbatches; 1 x 131,072):
-Triton flash attention for MLA (no [T, T] scores), each scanned layer its own remat region,
-the LM head and loss 4,096 positions at a time. With several GPUs, `--config.mesh.context=N`
-splits each sequence over N of them (the Triton kernel takes no query offset yet: each GPU
-attends for all rows of its sequence). Tokens/s and fit on one H200:
-benchmarks/results/context_parallel.md.
+each scanned layer its own remat region, the LM head and loss 4,096 positions at a time.
+With several GPUs, `--config.mesh.context=N` splits each sequence over N of them (the GPU
+kernels take no query offset yet: each GPU attends for all rows of its sequence). Tokens/s
+and fit on one H200: benchmarks/results/context_parallel.md.
 """
 
 from k3jax import config as k3config
 
 
-_LONG = {"model.mla.attention": "flash", "model.remat_scope": "layer",
+_LONG = {"model.remat_scope": "layer",
          "model.attn_res.scan_saves": "partial", "train.loss_chunk": 4_096}
 _LONG_VARIANTS = {
     "32k": {**_LONG, "train.seq_len": 32_768, "train.global_batch": 2, "train.microbatches": 2},
@@ -41,6 +43,7 @@ def get_config(arg: str | None = None):
   m.num_layers = 13
   m.kda.num_heads, m.kda.head_dim, m.kda.gate_rank = 16, 128, 128
   m.mla.num_heads, m.mla.q_lora_rank, m.mla.kv_lora_rank = 16, 512, 256
+  m.mla.attention = "auto"
   m.ffn.hidden_dim = 5_632
   m.moe.num_experts, m.moe.top_k, m.moe.expert_dim, m.moe.latent_dim = 64, 8, 768, 1_024
   m.moe.shared_dim = 768

@@ -65,10 +65,9 @@ def base_config() -> ml_collections.ConfigDict:
   a.qk_rope_dim = 64     # NoPE: the "rope" slot is never rotated; one key shared by all heads
   a.v_head_dim = 128
   # pallas_kernels.attention backend: "dense" ([B, H, T, T] fp32 scores), "flash" (the
-  # platform's Pallas kernel; interpret mode on CPU) or "auto" (flash on TPU, dense
-  # elsewhere). Dense by default: splash's Mosaic compile makes a micro model's TPU train
-  # step compile take over 14 CPU-minutes here, and the GPU kernel is not yet measured in a
-  # train step; long sequences (k3_full's long-context variant) need "auto" / "flash".
+  # platform's flash kernel; interpret mode on CPU) or "auto" (flash on TPU and GPU, dense
+  # on CPU). Dense by default: splash's Mosaic compile makes a micro model's TPU train
+  # step compile take over 14 CPU-minutes here; configs for accelerators choose "auto".
   a.attention = "dense"
   # "expanded": keys and values per head from c_kv (k_nope, v = c_kv W_kvb), as written;
   # "absorbed": W_kvb folded into the queries and outputs, so attention reads c_kv and the

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 from k3jax import config as k3config
 from k3jax.model.mla import MLA
 from pallas_kernels.attention import (attention, attention_reference, flash_gpu, flash_tpu,
-                                      max_logit, max_logit_block, unique_padding_ids)
+                                      max_logit, max_logit_block, max_logit_gpu,
+                                      run_slots, segment_runs, unique_padding_ids)
 
 RTOL, ATOL = 1e-5, 2e-5   # fp32: flash and dense differ only in summation order
 
@@ -118,6 +119,41 @@ def test_max_logit_equals_dense(causal):
   assert not np.asarray(g).any()
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shared", [True, False])
+def test_max_logit_kernel_equals_dense(causal, shared):
+  """The Triton kernel (interpreted) = the dense row maxima: Dqk 48 as pieces of 32 and 16,
+  T = 200 over query blocks of 32 and key blocks of 16 (diagonal, skipped, padded blocks),
+  one key for all heads or one each; an all-padding batch gives -inf; no gradient."""
+  b, t, h, d = 3, 200, 4, 48
+  q, k = randn(20, b, t, h, d) * 3, randn(21, b, t, 1 if shared else h, d)
+  ids = packed_ids(b, t)
+  want = attention_reference(q, k, randn(22, b, t, h, 8), ids, scale=0.5, causal=causal)[1]
+  kernel = jax.jit(functools.partial(max_logit_gpu, scale=0.5, causal=causal, block_q=32,
+                                     block_k=16, interpret=True))
+  np.testing.assert_allclose(np.asarray(kernel(q, k, ids)), np.asarray(want), rtol=1e-6)
+  assert np.all(np.asarray(kernel(q, k, jnp.zeros_like(ids))) == -np.inf)
+  g = jax.jit(jax.grad(lambda q: jnp.sum(kernel(q, k, ids))))(q)
+  assert not np.asarray(g).any()
+
+
+def test_segment_runs_are_cudnn_packed_rows():
+  """Each row's documents as cuDNN's packed layout lists them: run starts (then -1),
+  lengths (then -1) and the run count, which may exceed the slots (the dispatcher then
+  takes the Triton kernel); padding (0) is in no run, and an id change starts a run."""
+  ids = jnp.asarray([[1, 1, 2, 2, 2, 0, 0, 3, 3, 0],
+                     [0, 0, 5, 5, 5, 5, 5, 5, 5, 5],
+                     [1, 2, 3, 4, 5, 6, 7, 8, 9, 9]])
+  offsets, lengths, runs = segment_runs(ids, 4)
+  np.testing.assert_array_equal(offsets, [[0, 2, 7, -1, -1], [2, -1, -1, -1, -1],
+                                          [0, 1, 2, 3, -1]])
+  np.testing.assert_array_equal(lengths, [[2, 3, 2, -1], [8, -1, -1, -1], [1, 1, 1, 1]])
+  np.testing.assert_array_equal(runs, [3, 1, 9])
+  # cuDNN's fp32 dq accumulator per run slot is B T H Dqk 4 bytes: slots within the budget
+  assert run_slots(2, 4096, 16, 192) == 42 and run_slots(1, 131_072, 16, 192) == 2
+  assert run_slots(1, 256, 1, 16) == 64
+
+
 def test_max_logit_tiles_grow_for_long_rows_of_few_heads():
   """The tile side doubles from 512 while one fp32 tile stays within the byte budget and
   below T: a 131,072-token row of 16 heads is not 8,000 tiny tiles a layer."""
@@ -142,15 +178,15 @@ SPECS = (jax.ShapeDtypeStruct((2, 256, 4, 192), jnp.bfloat16),
 
 @pytest.mark.parametrize("backend", ["auto", "flash", "dense"])
 def test_auto_lowering_per_platform(backend):
-  """"auto" is decided when lowering: splash's Mosaic call for TPU, no kernel for CUDA
-  (dense until a GPU train step measures the Triton path) nor on CPU (where it is the dense
-  reference, exactly); "flash" takes the Triton call on CUDA; "dense" never a kernel."""
+  """"auto" is decided when lowering: splash's Mosaic call for TPU, the GPU kernels for
+  CUDA (Triton here: cuDNN is looked for when tracing, and a CPU host has none), no kernel
+  on CPU (where it is the dense reference, exactly); "dense" never a kernel."""
   traced = jax.jit(_loss_fn(backend)).trace(*SPECS)
   tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
   cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
   cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
   assert ("tpu_custom_call" in tpu) == (backend != "dense")
-  assert ("__gpu$xla.gpu.triton" in cuda) == (backend == "flash")
+  assert ("__gpu$xla.gpu.triton" in cuda) == (backend != "dense")
   if backend != "flash":  # (forced flash interprets splash on CPU)
     assert "tpu_custom_call" not in cpu and "triton" not in cpu
   if backend == "auto":
@@ -243,6 +279,8 @@ def test_context_parallel_gpu_gathers(monkeypatch, shared_kv):
   import pallas_kernels.attention as attention_ops  # noqa: PLC0415
   monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, **_: cuda(*args))
   monkeypatch.setattr(attention_ops, "flash_gpu", functools.partial(flash_gpu, interpret=True))
+  monkeypatch.setattr(attention_ops, "max_logit_gpu",
+                      functools.partial(max_logit_gpu, interpret=True))
   shape, names = ((2, 2, 2), ("data", "context", "tensor")) if shared_kv else (
       (2, 4), ("data", "context"))
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(shape), names)

@@ -2,9 +2,10 @@
 dispatches to a backend; all share one contract (see `attention`).
 
 Modules: `reference.py` (dense masked form: the reference, [B, H, T, T] fp32 scores),
-`flash.py` (JAX's Pallas library kernels: splash attention on TPU, Triton `mha` on GPU,
-and the QK-Clip max logit tile by tile), `context.py` (causal attention with the queries
-split along T: context parallelism).
+`flash.py` (JAX's Pallas library kernels: splash attention on TPU, Triton `mha` on GPU),
+`cudnn.py` (cuDNN's flash attention over packed documents, GPU), `max_logit.py` (the QK-Clip
+max logit: a tile loop, and a Triton kernel), `context.py` (causal attention with the
+queries split along T: context parallelism).
 """
 
 from __future__ import annotations
@@ -15,29 +16,60 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.context import context_parallel, flash_tpu_window, kv_spec
-from pallas_kernels.attention.flash import (flash_gpu, flash_tpu, max_logit, max_logit_block,
-                                            unique_padding_ids)
+from pallas_kernels.attention.cudnn import cudnn_ready, flash_cudnn, run_slots, segment_runs
+from pallas_kernels.attention.flash import flash_gpu, flash_tpu, unique_padding_ids
+from pallas_kernels.attention.max_logit import max_logit, max_logit_block, max_logit_gpu
 from pallas_kernels.attention.reference import attention_mask, attention_reference
+from pallas_kernels.shard_types import axis_names
 
-__all__ = ["BACKENDS", "attention", "attention_mask", "attention_reference", "flash_gpu",
-           "flash_tpu", "max_logit", "max_logit_block", "unique_padding_ids"]
+__all__ = ["BACKENDS", "attention", "attention_mask", "attention_reference", "cudnn_ready",
+           "flash_cuda", "flash_cudnn", "flash_gpu", "flash_tpu", "max_logit", "max_logit_block",
+           "max_logit_gpu", "run_slots", "segment_runs", "unique_padding_ids"]
 
 BACKENDS = ("auto", "flash", "dense")
 
 
-def _sharded(kernel, q, k, v, ids, *, mesh, batch_axis, head_axis, seq_axis):
+def _sharded(kernel, q, k, v, ids, *, mesh, batch_axis, head_axis, seq_axis,
+             with_logit=False):
   """kernel(q, k, v, q_ids, kv_ids) per device under `jax.shard_map`: a Pallas call is not
   partitioned by XLA. Batch rows and heads are independent; with seq_axis the queries are
-  split along T too and every device gets all keys and values of its rows (non-causal)."""
+  split along T too and every device gets all keys and values of its rows (non-causal).
+  with_logit: the kernel returns (out, its heads' max logit over its rows)."""
   if mesh is None or (batch_axis is None and head_axis is None and seq_axis is None):
     return kernel(q, k, v, ids, ids)
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   tok_q = P(batch_axis, seq_axis, head_axis)
   tok_k, tok_v = (kv_spec(x, batch_axis, head_axis) for x in (k, v))
   row_q, row_kv = P(batch_axis, seq_axis), P(batch_axis, None)
+
+  def body(*args):
+    if not with_logit:
+      return kernel(*args)
+    out, logit = kernel(*args)
+    return out, jax.lax.pmax(logit, axis_names(batch_axis, seq_axis))
+
   # check_vma=False: pallas_call's outputs carry no varying-axes annotation.
-  return jax.shard_map(kernel, mesh=mesh, in_specs=(tok_q, tok_k, tok_v, row_q, row_kv),
-                       out_specs=tok_q, check_vma=False)(q, k, v, ids, ids)
+  return jax.shard_map(body, mesh=mesh, in_specs=(tok_q, tok_k, tok_v, row_q, row_kv),
+                       out_specs=(tok_q, P(head_axis)) if with_logit else tok_q,
+                       check_vma=False)(q, k, v, ids, ids)
+
+
+def flash_cuda(q, k, v, ids, *, scale, causal):
+  """The GPU flash kernel for q, k: [B, T, H, Dqk], v: [B, T, H, Dv], ids [B, T] from
+  `unique_padding_ids`, decided per batch when it runs: cuDNN's unpacked form if every row
+  is at most one document from its first token, its packed form if every row has at most
+  `run_slots` documents (`flash_cudnn`), else Triton (`flash_gpu`)."""
+  triton = functools.partial(flash_gpu, ids=ids, scale=scale, causal=causal)
+  if not cudnn_ready():
+    return triton(q, k, v)
+  segments = jnp.maximum(ids, 0)        # padding back to id 0
+  slots = run_slots(*q.shape)
+  offsets, _, runs = segment_runs(segments, slots)
+  single = jnp.all((runs == 0) | ((runs == 1) & (offsets[:, 0] == 0)))
+  cudnn = functools.partial(flash_cudnn, segment_ids=segments, scale=scale, causal=causal)
+  branch = jnp.where(single, 0, jnp.where(jnp.all(runs <= slots), 1, 2))
+  return jax.lax.switch(branch, [functools.partial(cudnn, slots=1),
+                                 functools.partial(cudnn, slots=slots), triton], q, k, v)
 
 
 def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max_logit=False,
@@ -53,18 +85,17 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
     scale: the softmax scale; causal: add the causal mask.
     backend:
       "dense": `attention_reference` (fp32 [B, H, T, T] scores).
-      "flash": the Pallas library kernel of the lowering platform (TPU: splash attention,
-        GPU: Triton `mha`, others: splash in interpret mode, slow, for tests). All rows
-        match dense, padding rows included; T need not be a multiple of any block.
-      "auto": "flash" on TPU, "dense" elsewhere. The choice is made when the program is
-        lowered (`jax.lax.platform_dependent`), so AOT lowering for another platform picks
-        that platform's path. GPU stays dense until a train step measures the Triton path:
-        on the H200 (T 4096, 16 heads, bf16, causal) forward + backward + max logit took
-        5.5 ms flash vs 5.0 ms dense (120 MiB vs 3 GiB of temporaries), but one forward-only
-        call of the flash path took 122-197 ms, unexplained.
+      "flash": the flash kernel of the lowering platform (TPU: splash attention; GPU:
+        `flash_cuda`, cuDNN or Triton `mha`; others: splash in interpret mode, slow, for
+        tests). All rows match dense, padding rows included; T need not be a multiple of
+        any block.
+      "auto": "flash" on TPU and GPU, "dense" elsewhere (CPU: the interpreted kernels are
+        slow). The choice is made when the program is lowered
+        (`jax.lax.platform_dependent`), so AOT lowering for another platform picks that
+        platform's path.
     return_max_logit: also return each head's max pre-softmax logit over real queries (for
-      QK-Clip), [H] fp32, no gradient; on the flash path `flash.max_logit` (one more q k^T
-      pass, tile by tile).
+      QK-Clip), [H] fp32, no gradient; on the flash path one more q k^T pass
+      (`max_logit.py`: the Triton kernel on GPU, the tile loop elsewhere).
     mesh, batch_axis, head_axis, seq_axis: where the arrays are sharded (mesh axis names or
       tuples, or None): B over batch_axis, H over head_axis, and the query rows T over
       seq_axis (c equal contiguous slices; keys and values are gathered along T). The
@@ -103,9 +134,9 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
   ids = unique_padding_ids(segment_ids)
   shard = functools.partial(_sharded, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)
 
-  def flash(kernel, gather_seq=False):
+  def flash(kernel):
     def run(q, k, v):
-      out = shard(kernel, q, k, v, ids, seq_axis=None if gather_seq else seq_axis)
+      out = shard(kernel, q, k, v, ids, seq_axis=seq_axis)
       if not return_max_logit:
         return out
       return out, max_logit(q, k, segment_ids, scale=scale, causal=causal)
@@ -122,12 +153,19 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
   tpu = functools.partial(flash_tpu, scale=scale, causal=causal)
 
   def gpu(q, k, v, ids, _):  # per device: q's heads are the local ones
-    return flash_gpu(q, per_head(k, q.shape[2]), per_head(v, q.shape[2]), ids, scale=scale,
+    heads = q.shape[2]
+    out = flash_cuda(q, per_head(k, heads), per_head(v, heads), ids, scale=scale,
                      causal=causal)
+    if not return_max_logit:
+      return out
+    return out, max_logit_gpu(q, k, jnp.maximum(ids, 0), scale=scale, causal=causal)
+
+  def cuda(q, k, v):  # T gathered along seq_axis: the GPU kernels take no query offset
+    return shard(gpu, q, k, v, ids, seq_axis=None, with_logit=return_max_logit)
 
   interpreted = functools.partial(tpu, interpret=True)
   forced = backend == "flash"
   return jax.lax.platform_dependent(
       q, k, v, tpu=windowed(False) if split else flash(tpu),
-      cuda=flash(gpu, gather_seq=True) if forced else dense,
+      cuda=cuda,
       default=(windowed(True) if split else flash(interpreted)) if forced else dense)

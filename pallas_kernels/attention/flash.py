@@ -1,5 +1,5 @@
-"""Memory-efficient attention through JAX's own Pallas library kernels, plus the QK-Clip
-max logit computed tile by tile. Nothing here materializes [T, T] scores.
+"""Memory-efficient attention through JAX's own Pallas library kernels. Nothing here
+materializes [T, T] scores.
 
   TPU: splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`): causal or
        full mask, q and kv segment ids, Dv != Dqk, any head dim, custom VJP with segment
@@ -14,15 +14,11 @@ Both kernels take the segment mask only (`q_id == kv_id`); the callers pass ids 
 sees only itself, exactly the dense reference's rule, and no row is ever empty. Rows added
 to reach a block multiple get ids of their own too and are sliced off.
 
-Neither kernel returns the softmax's row maxima (splash writes only the log-sum-exp; the
-Triton kernel's log-sum-exp residual cannot be returned under differentiation, and
-log-sum-exp is not the max anyway: it exceeds it by up to log T). `max_logit` therefore
-recomputes q k^T tile by tile, without gradient (see its docstring for the cost).
+Neither kernel returns the softmax's row maxima (splash writes only the log-sum-exp, which
+is not the max: it exceeds it by up to log T); `max_logit.py` computes the QK-Clip max logit.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,20 +28,6 @@ TPU_BLOCK = 512     # splash q / kv block (MaxText's default) where T allows
 GPU_BLOCK_BYTES = 128  # Triton forward q / kv block = this / itemsize (bf16: 64, fp32: 32): the
                        # q tile and two stages of k, v tiles [block, 256] fit H200 shared memory
 GPU_BWD_BLOCK = 32  # Triton backward blocks (the library default)
-MAX_LOGIT_BLOCK = 512          # the smallest max-logit tile side
-MAX_LOGIT_TILE_BYTES = 2**28   # larger tiles while one fp32 tile [B, H, block, block] fits:
-                               # long rows of few heads otherwise run as many tiny kernels
-
-
-def max_logit_block(b: int, h: int, t: int) -> int:
-  """The max-logit tile side for B rows of H heads and T keys: MAX_LOGIT_BLOCK doubled while
-  the fp32 tile stays within MAX_LOGIT_TILE_BYTES and below T."""
-  block = MAX_LOGIT_BLOCK
-  while 2 * block <= t and b * h * (2 * block) ** 2 * 4 <= MAX_LOGIT_TILE_BYTES:
-    block *= 2
-  return block
-
-
 def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
@@ -120,45 +102,3 @@ def flash_gpu(q: jax.Array, k: jax.Array, v: jax.Array, ids: jax.Array, *, scale
   out = gpu_attention.mha(pad(q), pad(k), pad(v), _pad_ids(ids, t_p, t), sm_scale=scale,
                           causal=causal, block_sizes=blocks, interpret=interpret)
   return out[:, :t, :, :dv].astype(v.dtype)
-
-
-def max_logit(q: jax.Array, k: jax.Array, segment_ids: jax.Array, *, scale: float,
-              causal: bool, q_offset=0, block: int | None = None) -> jax.Array:
-  """Each head's largest pre-softmax logit over the real (segment != 0) queries and the
-  keys they see, as the dense reference returns it: [H] fp32, no gradient.
-
-  q: [B, Tq, H, Dqk], the queries at positions q_offset .. q_offset + Tq - 1 (an int or a
-  traced scalar; default all T); k: [B, T, H or 1, Dqk]; segment_ids [B, T] (0 = padding).
-  Loops over [block, block] tiles (skipping those above the diagonal when causal; block
-  None: `max_logit_block`); live memory is one fp32 tile [B, H, block, block]. Cost: the
-  q k^T product once more, B H T^2 Dqk FLOPs causal (2 B H T^2 Dqk not), i.e. the forward
-  kernel's first matmul again.
-  """
-  q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k.astype(q.dtype))
-  b, tq, h, _ = q.shape
-  t = k.shape[1]
-  block = block or max_logit_block(b, h, t)
-  bq, bk = min(block, tq), min(block, t)
-  nq, nk = -(-tq // bq), -(-t // bk)
-  tiles = lambda x, n, bs: _pad_rows(x, n * bs).reshape(b, n, bs, *x.shape[2:])  # noqa: E731
-  q_ids = jax.lax.dynamic_slice_in_dim(segment_ids, q_offset, tq, axis=1)
-  # padded rows get id 0: skipped
-  qt, sq = tiles(q, nq, bq), tiles(q_ids, nq, bq)
-  kt, sk = tiles(k, nk, bk), tiles(segment_ids, nk, bk)
-
-  def tile_max(i, j, m):
-    qi, si = (jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False) for x in (qt, sq))
-    kj, sj = (jax.lax.dynamic_index_in_dim(x, j, 1, keepdims=False) for x in (kt, sk))
-    s = jnp.einsum("bthd,bshd->bhts", qi, kj, preferred_element_type=jnp.float32) * scale
-    see = (si[:, :, None] == sj[:, None, :]) & (si != 0)[:, :, None]    # [B, bq, bk]
-    if causal:
-      q_pos, k_pos = q_offset + i * bq + jnp.arange(bq), j * bk + jnp.arange(bk)
-      see &= q_pos[:, None] >= k_pos[None, :]
-    return jnp.maximum(m, jnp.max(jnp.where(see[:, None], s, -jnp.inf), axis=(0, 2, 3)))
-
-  def row(i, m):
-    # causal: the key tiles up to the one holding this tile's last query
-    last = jnp.minimum(nk, (q_offset + (i + 1) * bq - 1) // bk + 1) if causal else nk
-    return jax.lax.fori_loop(0, last, functools.partial(tile_max, i), m)
-
-  return jax.lax.fori_loop(0, nq, row, jnp.full((h,), -jnp.inf, jnp.float32))
