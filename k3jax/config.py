@@ -16,6 +16,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 DTYPES = ("float32", "bfloat16")
 EXPERT_SPLITS = ("batch", "seq")  # what mesh.expert splits outside the MoE (parallel.rules)
 MLA_FORMS = ("expanded", "absorbed")  # model.mla.form
+EXPERT_QUANTS = ("none", "mxfp4")  # model.moe.expert_quant
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -29,7 +30,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.mla_every = 4        # 1-based layers 4, 8, ... are MLA; the rest KDA
   m.final_mla = True     # the last layer is MLA too, so the last mixer is global
   m.dense_layers = 1     # the first N layers use the dense FFN, the rest LatentMoE
-  m.norm_eps = 1e-6
+  m.norm_eps = 1e-5       # every RMSNorm and the AttnRes key norms (the release's value)
   m.embed_init_std = 1.0
   m.dtype = "bfloat16"   # compute dtype; parameters are stored in param_dtype
   m.param_dtype = "float32"
@@ -104,6 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Mosaic GPU kernels on GPU, warp-specialized where the shapes fit their tiles; ragged_dot
   # elsewhere), "reference" (ragged_dot), "kernel" (per-tile), "kernel_ws"
   e.gmm_backend = "auto"
+  # "mxfp4": the routed experts' weights fake-quantized to the released K3's MXFP4 grid in
+  # the forward, gradients straight through (quantization-aware training; k3jax.model.mxfp4)
+  e.expert_quant = "none"
   e.balancing = "quantile"   # "quantile" (K3) or "none"
   e.balance_bins = 1_000
   # Cutoff r is measured against: "k_plus_1" (spec: the (k+1)-th value for every expert)
@@ -336,6 +340,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(e.dispatch in DISPATCHES, "model.moe.dispatch",
          f"must be one of {DISPATCHES}, got {e.dispatch!r}")
   _check(e.capacity_factor > 0, "model.moe.capacity_factor", "must be positive")
+  _check(e.expert_quant in EXPERT_QUANTS, "model.moe.expert_quant",
+         f"must be one of {EXPERT_QUANTS}, got {e.expert_quant!r}")
+  _check(e.expert_quant == "none" or (e.latent_dim % 32 == 0 and e.expert_dim % 32 == 0),
+         "model.moe.expert_quant", f"mxfp4 groups 32 input columns: latent_dim "
+         f"{e.latent_dim} and expert_dim {e.expert_dim} must be multiples of 32")
   from pallas_kernels.grouped_matmul import BACKENDS as GMM_BACKENDS  # noqa: PLC0415
   _check(e.gmm_backend in GMM_BACKENDS, "model.moe.gmm_backend",
          f"must be one of {GMM_BACKENDS}, got {e.gmm_backend!r}")

@@ -49,6 +49,7 @@ def test_experiments_validate(name):
     ("model.remat", "some", "model.remat"),
     ("model.moe.dispatch", "ragged", "model.moe.dispatch"),
     ("model.moe.gmm_backend", "triton", "model.moe.gmm_backend"),
+    ("model.moe.expert_quant", "int4", "model.moe.expert_quant: must be one of"),
     ("optimizer.name", "sgd", "unknown optimizer"),
     ("train.microbatches", 3, "train.microbatches"),
     ("train.loss_chunk", 1000, "train.loss_chunk"),
@@ -62,6 +63,17 @@ def test_impossible_settings_name_the_field(field, value, match):
   c = load("k3_full")
   set_field(c, field, value)
   with pytest.raises(k3config.ConfigError, match=match):
+    k3config.validate(c)
+
+
+def test_mxfp4_experts_need_whole_groups():
+  """MXFP4 scales groups of 32 input columns: k3_full's experts (latent 3,584, hidden
+  3,072) take it; a hidden size of 3,000 is refused with both sizes named."""
+  c = load("k3_full")
+  c.model.moe.expert_quant = "mxfp4"
+  k3config.validate(c)
+  c.model.moe.expert_dim = 3_000
+  with pytest.raises(k3config.ConfigError, match="latent_dim 3584 and expert_dim 3000"):
     k3config.validate(c)
 
 

@@ -362,3 +362,37 @@ def test_auto_dispatch_per_platform():
   assert not experts_split(None)
   assert resolve_dispatch("auto", "cpu", grouped_kernel=True) == "capacity"
   assert resolve_dispatch("capacity", "tpu") == "capacity"
+
+
+def test_mxfp4_experts_run_on_the_grid_with_straight_through_gradients():
+  """moe.expert_quant="mxfp4" (QAT): the layer computes what the plain layer computes with
+  its routed experts' weights replaced by their MXFP4 values (groups of 32 along each
+  matrix's input axis), and its gradients are the plain layer's at those values."""
+  from k3jax.model import mxfp4  # noqa: PLC0415
+  cfgs = {q: tiny_model_cfg(expert_dim=64, latent_dim=32, expert_quant=q, dispatch="capacity")
+          for q in ("mxfp4", "none")}
+  for cfg in cfgs.values():
+    cfg.d_model = 32
+  qat, plain = build(cfgs["mxfp4"]), build(cfgs["none"])
+  nnx.update(plain, nnx.state(qat))
+  for name in ("w_g", "w_u", "w_d"):
+    w = getattr(qat, name)[...]
+    getattr(plain, name)[...] = mxfp4.fake_quantize(w)
+    assert np.abs(np.asarray(getattr(plain, name)[...] - w)).max() > 1e-3   # not on the grid
+  x = jax.random.normal(jax.random.key(3), (2, 8, 32), jnp.float32)
+  valid = jnp.ones((2, 8), bool)
+  r = jax.random.normal(jax.random.key(4), (2, 8, 32), jnp.float32)
+
+  def loss_and_grads(module):
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def loss(params):
+      y, _ = nnx.merge(graphdef, params, rest)(x, valid)
+      return jnp.sum(y * r), y
+    (_, y), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return y, g
+
+  (y_q, g_q), (y_p, g_p) = loss_and_grads(qat), loss_and_grads(plain)
+  np.testing.assert_array_equal(np.asarray(y_q), np.asarray(y_p))
+  for a, b in zip(jax.tree.leaves(g_q), jax.tree.leaves(g_p)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

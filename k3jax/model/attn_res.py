@@ -36,7 +36,7 @@ class AttnResQuery(nnx.Module):
   """The pseudo-query `query` [d] (init 0) and key RMSNorm gain `key_gain` [d] (init 1)
   of one sublayer (or of the output-level AttnRes)."""
 
-  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32,
+  def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32,
                rngs: nnx.Rngs | None = None):
     self.query = param(rngs, zeros, (dim,), ("embed",), param_dtype)
     self.key_gain = param(rngs, ones, (dim,), ("embed",), param_dtype)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from k3jax.model import axes
+from k3jax.model import axes, mxfp4
 from k3jax.model import quantile_balancing as qb
 from k3jax.model.axes import constrain
 from k3jax.model.expert_parallel import (expert_parallel_dropless_moe, expert_parallel_moe,
@@ -96,6 +96,7 @@ class LatentMoE(nnx.Module):
       raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {e.dispatch!r}")
     self.dispatch, self.capacity_factor = e.dispatch, float(e.capacity_factor)
     self.gmm_backend = e.gmm_backend
+    self.expert_quant = e.expert_quant
     self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
 
     # The router is stored and applied in fp32 whatever the model dtypes.
@@ -119,6 +120,14 @@ class LatentMoE(nnx.Module):
                axes_in="embed", rngs=rngs, dtype=dtype, param_dtype=pdt)
         for _ in range(e.num_shared)])
 
+  def expert_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """w_g, w_u [E, latent, hidden], w_d [E, hidden, latent]; on the MXFP4 grid (groups
+    along each matrix's input axis) with `moe.expert_quant="mxfp4"`."""
+    ws = self.w_g[...], self.w_u[...], self.w_d[...]
+    if self.expert_quant == "mxfp4":
+      ws = tuple(mxfp4.fake_quantize(w, axis=-2) for w in ws)
+    return ws
+
   def __call__(self, x: jax.Array, valid: jax.Array | None = None):
     b, t, _ = x.shape
     n, k, n_exp = b * t, self.top_k, self.num_experts
@@ -141,27 +150,24 @@ class LatentMoE(nnx.Module):
     fits = grouped_kernel_fits(t * k, z.shape[-1], self.w_g.shape[-1], n_exp, self.dtype,
                                self.gmm_backend)
     dispatch = resolve_dispatch(self.dispatch, platform, fits, experts_split(mesh))
+    w_g, w_u, w_d = self.expert_weights()
     if dispatch == "dropless":
-      experts = ragged_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act, self.dtype,
-                                   self.gmm_backend, platform)
+      experts = ragged_glu_experts(w_g, w_u, w_d, act, self.dtype, self.gmm_backend, platform)
       u = dropless_moe(z.reshape(n, -1), idx, w, experts, n_exp)
       dropped = jnp.zeros((), jnp.int32)
     elif dispatch == "expert_parallel_dropless":
-      u = expert_parallel_dropless_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k),
-                                       self.w_g[...], self.w_u[...], self.w_d[...], act,
-                                       self.dtype, self.gmm_backend, platform)
+      u = expert_parallel_dropless_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k), w_g, w_u,
+                                       w_d, act, self.dtype, self.gmm_backend, platform)
       dropped = jnp.zeros((), jnp.int32)
     else:
       # per row; under context parallelism per device's slice of a row (`slices` of it)
       slices = axes.split_ways("seq")
       capacity = max(1, math.ceil(self.capacity_factor * (t // slices) * k / n_exp))
       if dispatch == "expert_parallel":
-        u, kept = expert_parallel_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k),
-                                      self.w_g[...], self.w_u[...], self.w_d[...], act,
-                                      self.dtype, capacity)
+        u, kept = expert_parallel_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k), w_g, w_u,
+                                      w_d, act, self.dtype, capacity)
       else:
-        experts = batched_glu_experts(self.w_g[...], self.w_u[...], self.w_d[...], act,
-                                      self.dtype)
+        experts = batched_glu_experts(w_g, w_u, w_d, act, self.dtype)
         u, kept = capacity_moe(z.reshape(n, -1).astype(self.dtype), idx, w, experts, n_exp,
                                b * slices, capacity)
       dropped = jnp.sum(~kept.reshape(n, k) & flat_valid[:, None], dtype=jnp.int32)

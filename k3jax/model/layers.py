@@ -130,7 +130,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
 class RMSNorm(nnx.Module):
   """RMSNorm over the last axis with a learned gain (initialised to 1). x: [..., dim]."""
 
-  def __init__(self, dim: int, axis_name: str | None = "embed", *, eps: float = 1e-6,
+  def __init__(self, dim: int, axis_name: str | None = "embed", *, eps: float = 1e-5,
                param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
     self.weight = param(rngs, ones, (dim,), (axis_name,), param_dtype)
     self.eps = eps

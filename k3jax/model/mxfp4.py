@@ -1,0 +1,128 @@
+"""MXFP4 as the released Kimi K3 stores its routed experts (compressed-tensors'
+`mxfp4-pack-quantized`): a weight [..., N] becomes
+
+  packed  uint8 [..., N / 2]   two OCP FP4 E2M1 codes a byte, the even column in the low
+                               nibble; code = sign bit (8) | index into E2M1_VALUES
+  scales  uint8 [..., N / 32]  one E8M0 exponent per 32 consecutive columns: the group's
+                               multiplier is 2^(scale - 127); 255 is NaN (refused)
+
+and value = E2M1_VALUES[code & 7] * (-1 if code & 8) * 2^(scale - 127).
+
+`quantize` follows compressed-tensors' rule, on the weight rounded to bf16 (the release's
+dtype): the group's largest magnitude, as bf16, is rounded to a power of two p (up when its
+mantissa is 1.75 or more, else down), the scale is p / 4, and each value / scale goes to
+the nearest E2M1 value, ties to the even code, beyond 6 to 6 (saturation). A weight that
+is already on the grid (dequantized MXFP4) comes back with the same values.
+
+The codec is host-side NumPy (checkpoint import and export; exact, no flush of
+subnormals); `fake_quantize` is the same rule in JAX for quantization-aware training.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GROUP = 32
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2    # 0.25, 0.75, ..., 5
+_SIGN = np.uint8(8)
+NAN_SCALE = 255
+
+
+def unpack_codes(packed: np.ndarray) -> np.ndarray:
+  """uint8 [..., N / 2] -> the E2M1 codes uint8 [..., N], low nibble first."""
+  packed = np.asarray(packed, np.uint8)
+  return np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def pack_codes(codes: np.ndarray) -> np.ndarray:
+  """E2M1 codes uint8 [..., N] (N even) -> uint8 [..., N / 2], the even column low."""
+  codes = np.asarray(codes, np.uint8)
+  if codes.shape[-1] % 2:
+    raise ValueError(f"MXFP4 packs pairs of columns; got {codes.shape[-1]} columns")
+  return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _groups(shape, n: int) -> int:
+  if n % GROUP:
+    raise ValueError(f"MXFP4 groups {GROUP} columns; {n} columns (shape {tuple(shape)}) "
+                     f"are not a multiple")
+  return n // GROUP
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
+  """packed uint8 [..., N / 2], scales uint8 [..., N / 32] -> [..., N] in `dtype`
+  (float32 holds every value exactly; bf16 too, down to scale 2^-133)."""
+  codes = unpack_codes(packed)
+  n = codes.shape[-1]
+  scales = np.asarray(scales, np.uint8)
+  if scales.shape != (*codes.shape[:-1], _groups(codes.shape, n)):
+    raise ValueError(f"MXFP4 scales of shape {scales.shape} do not fit packed weights "
+                     f"{packed.shape} ({n} columns: {n // GROUP} scales a row)")
+  if (scales == NAN_SCALE).any():
+    raise ValueError("MXFP4 scale 255 (E8M0 NaN) in the scales")
+  magnitude = E2M1_VALUES[codes & 7]
+  values = np.where(codes & _SIGN, -magnitude, magnitude)
+  exponent = np.repeat(scales.astype(np.int32) - 127, GROUP, axis=-1)
+  return np.ldexp(values, exponent).astype(dtype)
+
+
+def group_scales(amax_bf16: np.ndarray) -> np.ndarray:
+  """Each group's largest magnitude (float32 values that are bf16) -> its E8M0 scale byte
+  by compressed-tensors' rule: 127 + log2(p) - 2 for the power of two p nearest amax
+  (rounding up from a mantissa of 1.75), clipped to [0, 254]; amax 0 -> 0."""
+  bits = np.asarray(amax_bf16, np.float32).view(np.uint32) >> 16      # bf16 bit pattern
+  exponent_field = ((bits + 0x20) & 0x7F80) >> 7                       # + 0.25 ulp of 1.0
+  scale = exponent_field.astype(np.int64) - 2
+  return np.where(bits == 0, 0, np.clip(scale, 0, 254)).astype(np.uint8)
+
+
+def to_bf16_values(x: np.ndarray) -> np.ndarray:
+  """float32 values rounded to bf16 (nearest, ties to even), kept in float32."""
+  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+  return rounded.astype(np.uint32).view(np.float32)
+
+
+def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """w [..., N] (finite; N a multiple of 32) -> (packed uint8 [..., N / 2], scales uint8
+  [..., N / 32]) by the release's rule (module docstring)."""
+  w = np.asarray(w, np.float32)
+  if not np.isfinite(w).all():
+    raise ValueError("MXFP4 cannot encode inf or NaN weights")
+  n = w.shape[-1]
+  g = _groups(w.shape, n)
+  w = to_bf16_values(w).reshape(*w.shape[:-1], g, GROUP)
+  scales = group_scales(np.abs(w).max(axis=-1))
+  scaled = np.abs(np.ldexp(w.astype(np.float64), 127 - scales[..., None].astype(np.int32)))
+  index = np.searchsorted(_MIDPOINTS, scaled, side="left")             # 0..7, past 5 -> 7
+  tie = (index < len(_MIDPOINTS)) & (scaled == _MIDPOINTS[np.minimum(index, 6)])
+  index = np.where(tie & (index % 2 == 1), index + 1, index).astype(np.uint8)
+  codes = np.where((w < 0) & (index > 0), index | _SIGN, index).astype(np.uint8)
+  return pack_codes(codes.reshape(*codes.shape[:-2], n)), scales
+
+
+def fake_quantize(w: jax.Array, axis: int = -2) -> jax.Array:
+  """w's values on the MXFP4 grid, by `quantize`'s rule then dequantized (groups of 32
+  along `axis`, the input dimension of k3jax's [..., in, out] matrices), in w's dtype. The
+  gradient passes straight through (d/dw = identity). Equals `dequantize(*quantize(.))` of
+  the matrix with `axis` last, bit for bit, for group scales within [1, 253]."""
+  x = jnp.moveaxis(w, axis, -1).astype(jnp.float32)
+  n = x.shape[-1]
+  g = _groups(x.shape, n)
+  x = x.astype(jnp.bfloat16).astype(jnp.float32).reshape(*x.shape[:-1], g, GROUP)
+  amax_bits = jax.lax.bitcast_convert_type(jnp.max(jnp.abs(x), axis=-1), jnp.uint32) >> 16
+  exponent_field = (((amax_bits + 0x20) & 0x7F80) >> 7).astype(jnp.int32)
+  scale = jnp.where(amax_bits == 0, 0, jnp.clip(exponent_field - 2, 0, 254))[..., None]
+  power = lambda e: jax.lax.bitcast_convert_type(  # noqa: E731  2^e, e in [-126, 127]
+      ((e + 127) << 23).astype(jnp.uint32), jnp.float32)
+  scaled = jnp.abs(x) * power(127 - scale)
+  midpoints = jnp.asarray(_MIDPOINTS)
+  index = jnp.sum(scaled[..., None] > midpoints, axis=-1)             # ties: the lower
+  tie = jnp.any(scaled[..., None] == midpoints, axis=-1)
+  index = jnp.where(tie & (index % 2 == 1), index + 1, index)         # ties to even codes
+  q = jnp.sign(x) * jnp.asarray(E2M1_VALUES)[index] * power(scale - 127)
+  q = jnp.moveaxis(q.reshape(*x.shape[:-2], n), -1, axis).astype(w.dtype)
+  return (w - jax.lax.stop_gradient(w)) + jax.lax.stop_gradient(q)   # exactly q; d/dw = 1
