@@ -1,0 +1,5 @@
+"""Hugging Face checkpoints of the released Kimi K3 in and out of k3jax (issue 29).
+
+  safetensors.py   the safetensors file format: headers, byte-range reads, streaming writes,
+                   the shard index
+"""
