@@ -2,4 +2,6 @@
 
   safetensors.py   the safetensors file format: headers, byte-range reads, streaming writes,
                    the shard index
+  stream.py        sharded arrays assembled from reads of only each process's boxes:
+                   sources for file tensors, MXFP4 weights, stacked layers, torch layouts
 """
