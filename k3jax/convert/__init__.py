@@ -2,6 +2,8 @@
 
   safetensors.py   the safetensors file format: headers, byte-range reads, streaming writes,
                    the shard index
+  hf_config.py     the release's config.json <-> k3jax's model config (refusing what k3jax
+                   cannot express)
   stream.py        sharded arrays assembled from reads of only each process's boxes:
                    sources for file tensors, MXFP4 weights, stacked layers, torch layouts
 """
