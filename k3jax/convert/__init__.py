@@ -4,6 +4,8 @@
                    the shard index
   hf_config.py     the release's config.json <-> k3jax's model config (refusing what k3jax
                    cannot express)
+  layout.py        each text-model parameter <-> the release's tensors (names, dtypes,
+                   transposes, fused shared experts, padded A_log, reversed conv taps, MXFP4)
   stream.py        sharded arrays assembled from reads of only each process's boxes:
                    sources for file tensors, MXFP4 weights, stacked layers, torch layouts
 """

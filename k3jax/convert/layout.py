@@ -1,0 +1,312 @@
+"""Where each k3jax parameter of the text model lives in the released Kimi K3 checkpoint.
+
+`rules(model_cfg)` lists `Rule`s: a group of k3jax parameter paths (as `nnx.state` flattens
+them, "/"-joined; scanned cycles carry a leading axis of cycles) and the release tensors
+they come from. A rule loads (release sources -> one `stream.Source` per parameter, for any
+box of it) and saves (parameter arrays -> release arrays, in the release's dtypes).
+
+The release's conventions (from the engines that load it): torch weights [out, in] with
+heads flattened head-major (h * D + d); names under `language_model.model.layers.{L}.`
+(0-based L); MLA and KDA under `self_attn.`; the dense FFN under `mlp.`, the LatentMoE under
+`block_sparse_moe.` with routed experts `experts.{e}.w1` (gate), `w3` (up), `w2` (down) in
+MXFP4 and the shared experts fused into one MLP (their hidden units side by side); KDA's
+`A_log` zero-padded to at least head_dim entries, its conv taps [H * D, 1, W] with the last
+tap on the current token (k3jax: the first); AttnRes queries [1, d]. fp32 in the release:
+A_log, dt_bias, the convs, KDA's o_norm and the router's bias; the experts uint8; the rest
+bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from k3jax.convert import stream
+from k3jax.convert.stream import Box, Source
+from k3jax.model import mxfp4
+from k3jax.model.k3 import layer_plan
+
+BF16, F32, U8 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.uint8)
+TEXT = "language_model."
+LAYERS = TEXT + "model.layers."
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """k3jax parameters `paths` <-> release tensors `names` (with their `dtypes`).
+
+  load(sources) -> one Source per path, given one Source per name (boxes in the release
+  tensors' shapes); save(arrays) -> one array per name, given one array per path."""
+  paths: tuple[str, ...]
+  names: tuple[str, ...]
+  dtypes: tuple[np.dtype, ...]
+  load: Callable[[Sequence[Source]], Sequence[Source]]
+  save: Callable[[Sequence[np.ndarray]], Sequence[np.ndarray]]
+  mxfp4: bool = False        # names are (packed, scales) pairs of MXFP4 weights
+
+
+def _span_gather(src: Source, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+  """src[rows][:, cols] for index arrays, reading the rows' covering span once."""
+  r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
+  block = src(((int(r0), int(r1)), (int(c0), int(c1))))
+  return block[np.ix_(rows - r0, cols - c0)]
+
+
+def _flat(box: Box, shape: tuple[int, ...]) -> np.ndarray:
+  """Flat (row-major) indices of the box's elements in an array of `shape`."""
+  grids = np.meshgrid(*[np.arange(a, b) for a, b in box], indexing="ij")
+  return np.ravel_multi_index(tuple(g.ravel() for g in grids), shape) if box else np.zeros(1, int)
+
+
+def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, row_offset: int = 0,
+           col_offset: int = 0) -> Callable[[Source], Source]:
+  """A k3jax kernel [*in_shape, *out_shape] from a torch weight [out, in] (flattened
+  row-major), optionally at an offset into a larger (fused) weight."""
+  n_in = len(in_shape)
+
+  def load(src: Source) -> Source:
+    def read(box: Box) -> np.ndarray:
+      in_box, out_box = box[:n_in], box[n_in:]
+      rows = _flat(out_box, out_shape) + row_offset
+      cols = _flat(in_box, in_shape) + col_offset
+      sub = _span_gather(src, rows, cols)                    # [n_out, n_in]
+      return sub.T.reshape([b - a for a, b in in_box] + [b - a for a, b in out_box])
+    return read
+  return load
+
+
+def torch_weight(w: np.ndarray, n_in: int) -> np.ndarray:
+  """A k3jax kernel [*in, *out] as the torch weight [out, in]."""
+  return w.reshape(math.prod(w.shape[:n_in]), -1).T
+
+
+def whole(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[Source], Source]:
+  """A small parameter: the whole release tensor read, `fn` applied, the box cut out."""
+  def load(src: Source) -> Source:
+    def read(box: Box) -> np.ndarray:
+      return fn(src(None))[tuple(slice(a, b) for a, b in box)]
+    return read
+  return load
+
+
+def _one(path, name, dtype, load, save) -> Rule:
+  return Rule((path,), (name,), (dtype,), lambda s: [load(s[0])], lambda a: [save(a[0])])
+
+
+def _dense(path, name, in_shape, out_shape, dtype=BF16) -> Rule:
+  return _one(path, name, dtype, linear(in_shape, out_shape),
+              lambda w: torch_weight(w, len(in_shape)).astype(dtype))
+
+
+def _vector(path, name, dtype=BF16, shape=None) -> Rule:
+  """A vector parameter; `shape`: the release's (e.g. [1, d] for an AttnRes query)."""
+  return _one(path, name, dtype, whole(lambda x: x.reshape(-1)),
+              lambda w: w.reshape(shape or w.shape).astype(dtype))
+
+
+def _conv(path, name, width, heads, dim) -> Rule:
+  """k3jax taps [W, H, D] (tap j on token t - j) <-> the release's [H * D, 1, W] (last tap
+  on the current token)."""
+  return _one(path, name, F32,
+              whole(lambda x: x.reshape(heads, dim, width)[..., ::-1].transpose(2, 0, 1)),
+              lambda w: w[::-1].transpose(1, 2, 0).reshape(heads * dim, 1, width).astype(F32))
+
+
+def _a_log(path, name, heads, stored) -> Rule:
+  def load_fn(x):
+    if x.shape != (stored,) or np.any(x[heads:] != 0):
+      raise ValueError(f"{name}: expected [{stored}] with entries past {heads} zero, got "
+                       f"shape {list(x.shape)}")
+    return x[:heads]
+  return _one(path, name, F32, whole(load_fn),
+              lambda w: np.pad(w.astype(F32), (0, stored - heads)))
+
+
+def _attn_res(path, name) -> list[Rule]:
+  return [_vector(f"{path}/query", f"{name}_proj.weight", shape=(1, -1)),
+          _vector(f"{path}/key_gain", f"{name}_norm.weight")]
+
+
+def _kda(m, pre: str, path: str) -> list[Rule]:
+  c = m.kda
+  d, h, k, w, r = m.d_model, c.num_heads, c.head_dim, c.conv_size, c.gate_rank
+  s, p = pre + "self_attn.", path + "mixer/"
+  return [
+      _dense(p + "q_proj/kernel", s + "q_proj.weight", (d,), (h, k)),
+      _dense(p + "k_proj/kernel", s + "k_proj.weight", (d,), (h, k)),
+      _dense(p + "v_proj/kernel", s + "v_proj.weight", (d,), (h, k)),
+      _conv(p + "q_conv", s + "q_conv1d.weight", w, h, k),
+      _conv(p + "k_conv", s + "k_conv1d.weight", w, h, k),
+      _conv(p + "v_conv", s + "v_conv1d.weight", w, h, k),
+      _dense(p + "beta_proj/kernel", s + "b_proj.weight", (d,), (h,)),
+      _dense(p + "f_down/kernel", s + "f_a_proj.weight", (d,), (r,)),
+      _dense(p + "f_up/kernel", s + "f_b_proj.weight", (r,), (h, k)),
+      _a_log(p + "A_log", s + "A_log", h, max(h, k)),
+      _one(p + "dt_bias", s + "dt_bias", F32, whole(lambda x: x.reshape(h, k)),
+           lambda a: a.reshape(-1).astype(F32)),
+      _dense(p + "gate_proj/kernel", s + "g_proj.weight", (d,), (h, k)),
+      _vector(p + "o_norm/weight", s + "o_norm.weight", F32),
+      _dense(p + "o_proj/kernel", s + "o_proj.weight", (h, k), (d,)),
+  ]
+
+
+def _mla(m, pre: str, path: str) -> list[Rule]:
+  a = m.mla
+  d, h = m.d_model, a.num_heads
+  qk, kv = a.qk_nope_dim + a.qk_rope_dim, a.qk_nope_dim + a.v_head_dim
+  s, p = pre + "self_attn.", path + "mixer/"
+  return [
+      _dense(p + "wq_a/kernel", s + "q_a_proj.weight", (d,), (a.q_lora_rank,)),
+      _vector(p + "q_norm/weight", s + "q_a_layernorm.weight"),
+      _dense(p + "wq_b/kernel", s + "q_b_proj.weight", (a.q_lora_rank,), (h, qk)),
+      _dense(p + "wkv_a/kernel", s + "kv_a_proj_with_mqa.weight", (d,),
+             (a.kv_lora_rank + a.qk_rope_dim,)),
+      _vector(p + "kv_norm/weight", s + "kv_a_layernorm.weight"),
+      _dense(p + "wkv_b/kernel", s + "kv_b_proj.weight", (a.kv_lora_rank,), (h, kv)),
+      _dense(p + "w_g/kernel", s + "g_proj.weight", (d,), (h, a.v_head_dim)),
+      _dense(p + "w_o/kernel", s + "o_proj.weight", (h, a.v_head_dim), (d,)),
+  ]
+
+
+def _dense_ffn(m, pre: str, path: str) -> list[Rule]:
+  d, f = m.d_model, m.ffn.hidden_dim
+  s, p = pre + "mlp.", path + "ffn/"
+  return [_dense(p + "w_g/kernel", s + "gate_proj.weight", (d,), (f,)),
+          _dense(p + "w_u/kernel", s + "up_proj.weight", (d,), (f,)),
+          _dense(p + "w_d/kernel", s + "down_proj.weight", (f,), (d,))]
+
+
+def _shared(m, s: str, p: str) -> list[Rule]:
+  """The shared experts, one fused MLP in the release: expert i's hidden units are rows
+  (gate, up) or columns (down) i * width ..."""
+  d, n, width = m.d_model, m.moe.num_shared, m.moe.shared_dim
+  rules = []
+  for part, name, n_in in (("w_g", "gate_proj", 1), ("w_u", "up_proj", 1),
+                           ("w_d", "down_proj", 1)):
+    paths = tuple(f"{p}shared/{i}/{part}/kernel" for i in range(n))
+    down = part == "w_d"
+
+    def load(src, down=down):
+      shape = ((width,), (d,)) if down else ((d,), (width,))
+      return [linear(*shape, **({"col_offset": i * width} if down else
+                                {"row_offset": i * width}))(src[0]) for i in range(n)]
+
+    def save(ws, n_in=n_in, down=down):
+      parts = [torch_weight(w, n_in) for w in ws]
+      return [np.concatenate(parts, axis=1 if down else 0).astype(BF16)]
+    rules.append(Rule(paths, (f"{s}shared_experts.{name}.weight",), (BF16,), load, save))
+  return rules
+
+
+def _experts(m, s: str, p: str) -> list[Rule]:
+  """Routed experts [E, in, out] <-> per expert MXFP4 torch weights [out, in]."""
+  e, lat, hid = m.moe.num_experts, m.moe.latent_dim, m.moe.expert_dim
+  rules = []
+  for path, w, in_dim, out_dim in (("w_g", "w1", lat, hid), ("w_u", "w3", lat, hid),
+                                   ("w_d", "w2", hid, lat)):
+    names = tuple(f"{s}experts.{j}.{w}.{part}" for j in range(e)
+                  for part in ("weight_packed", "weight_scale"))
+
+    def load(src, in_dim=in_dim, out_dim=out_dim):
+      per = [linear((in_dim,), (out_dim,))(src[2 * j]) for j in range(e)]
+      return [stream.stacked(per)]
+
+    def save(ws):
+      out = []
+      for j in range(ws[0].shape[0]):
+        out.extend(mxfp4.quantize(ws[0][j].T))
+      return out
+    rules.append(Rule((p + path,), names, (U8,) * (2 * e), load, save, mxfp4=True))
+  return rules
+
+
+def _moe(m, pre: str, path: str) -> list[Rule]:
+  d, e, lat = m.d_model, m.moe.num_experts, m.moe.latent_dim
+  s, p = pre + "block_sparse_moe.", path + "ffn/"
+  return [
+      _dense(p + "router/kernel", s + "gate.weight", (d,), (e,)),
+      _vector(p + "bias", s + "gate.e_score_correction_bias", F32),
+      _dense(p + "w_down/kernel", s + "routed_expert_down_proj.weight", (d,), (lat,)),
+      _vector(p + "latent_norm/weight", s + "routed_expert_norm.weight"),
+      _dense(p + "w_up/kernel", s + "routed_expert_up_proj.weight", (lat,), (d,)),
+      *_shared(m, s, p), *_experts(m, s, p),
+  ]
+
+
+def layer_rules(m, layer: int, mixer: str, ffn: str, path: str) -> list[Rule]:
+  """The rules of release layer `layer` (0-based) at k3jax path prefix `path`."""
+  pre = f"{LAYERS}{layer}."
+  return [_vector(path + "mixer_norm/weight", pre + "input_layernorm.weight"),
+          _vector(path + "ffn_norm/weight", pre + "post_attention_layernorm.weight"),
+          *_attn_res(path + "mixer_query", pre + "self_attention_res"),
+          *_attn_res(path + "ffn_query", pre + "mlp_res"),
+          *(_kda if mixer == "kda" else _mla)(m, pre, path),
+          *(_dense_ffn if ffn == "dense" else _moe)(m, pre, path)]
+
+
+def global_rules(m) -> list[Rule]:
+  d, v = m.d_model, m.vocab_size
+  return [_one("embed", TEXT + "model.embed_tokens.weight", BF16, lambda src: src,
+               lambda w: w.astype(BF16)),
+          _dense("lm_head/kernel", TEXT + "lm_head.weight", (d,), (v,)),
+          _vector("final_norm/weight", TEXT + "model.norm.weight"),
+          *_attn_res("out_query", TEXT + "model.output_attn_res")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+  """One k3jax parameter: the rule (and its index among the rule's paths) of each release
+  layer it stacks (one entry, `stacked` False, for a parameter of a single layer)."""
+  parts: tuple[tuple[Rule, int], ...]
+  stacked: bool
+
+
+def bindings(m) -> dict[str, Binding]:
+  """k3jax parameter path -> Binding, for every text-model parameter of config `m`
+  (a model ConfigDict): the prefix layers, the scanned cycles (stacked), the suffix."""
+  plan = layer_plan(m)
+  out: dict[str, list] = {}
+
+  def add(rules, stacked):
+    for rule in rules:
+      for i, path in enumerate(rule.paths):
+        out.setdefault(path, ([], stacked))[0].append((rule, i))
+
+  add(global_rules(m), False)
+  for i in range(plan.prefix):
+    add(layer_rules(m, i, plan.mixers[i], plan.ffns[i], f"prefix/{i}/"), False)
+  for c in range(plan.num_cycles):
+    for j in range(plan.cycle):
+      i = plan.prefix + c * plan.cycle + j
+      add(layer_rules(m, i, plan.mixers[i], plan.ffns[i], f"cycles/layers/{j}/"), True)
+  start = plan.prefix + plan.num_cycles * plan.cycle
+  for i in range(start, len(plan.mixers)):
+    add(layer_rules(m, i, plan.mixers[i], plan.ffns[i], f"suffix/{i - start}/"), False)
+  return {path: Binding(tuple(parts), stacked) for path, (parts, stacked) in out.items()}
+
+
+def sources(m, release: Callable[[str], Source]) -> dict[str, Source]:
+  """k3jax parameter path -> its Source, given `release(name)`, a Source per release tensor
+  (for an MXFP4 weight, `release(packed name)` gives the dequantized weight [out, in])."""
+  out = {}
+  for path, binding in bindings(m).items():
+    per_layer = [rule.load([release(n) for n in rule.names])[i] for rule, i in binding.parts]
+    out[path] = stream.stacked(per_layer) if binding.stacked else per_layer[0]
+  return out
+
+
+def tensors(m, params: dict[str, np.ndarray]):
+  """The release tensors (name, array), layer by layer, of k3jax parameters `params`
+  (path -> array; stacked cycles with their leading axis)."""
+  seen = set()
+  for path, binding in bindings(m).items():
+    for c, (rule, _) in enumerate(binding.parts):
+      if id(rule) in seen:
+        continue
+      seen.add(id(rule))
+      arrays = [params[p][c] if binding.stacked else params[p] for p in rule.paths]
+      yield from zip(rule.names, rule.save(arrays))
