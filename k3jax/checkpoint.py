@@ -187,6 +187,22 @@ def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
   return handler
 
 
+def restore_weights(directory: str, abstract: Any, *, config_json: str, must_match=()):
+  """The (params, rest) of a weights checkpoint (`k3jax.convert.importer.write_weights`)
+  in `directory`, read into `abstract`'s shapes and shardings; its config must agree on
+  `must_match`. FileNotFoundError when `directory` holds none."""
+  if not epath.Path(directory).exists():
+    raise FileNotFoundError(f"config.train.init_from: {directory!r} does not exist")
+  ckpt = Checkpointer(directory, keep=1)
+  try:
+    got = ckpt.restore_latest(abstract, config_json=config_json, must_match=must_match)
+  finally:
+    ckpt.close()
+  if got is None:
+    raise FileNotFoundError(f"config.train.init_from: no weights checkpoint in {directory!r}")
+  return got.state
+
+
 class Checkpointer:
   """Saves and restores train state, data iterator state and config under a workdir."""
 
@@ -267,6 +283,11 @@ class Checkpointer:
     if progress is not None:
       items[self.PROGRESS] = ocp.args.JsonSave(dict(progress))
     return self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def holds_data(self, step: int) -> bool:
+    """Whether `step` holds a data-iterator state (a run's checkpoint; a weights checkpoint
+    holds none)."""
+    return self._has_item(step, self.DATA)
 
   def _has_item(self, step: int, name: str) -> bool:
     return (self.directory / str(step) / name).exists()

@@ -165,6 +165,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.checkpoint_every = 1_000
   t.keep_checkpoints = 3       # the newest N checkpoints are kept
   t.keep_checkpoint_every = 0  # and, for good, every step that is a multiple of this (0: none)
+  # A weights checkpoint (`python -m k3jax.convert import`) whose parameters a run with no
+  # checkpoint of its own starts from (step 0, fresh optimizer state); "" : random init
+  t.init_from = ""
   t.checkpoint_compression = False  # zstd: ~2x the save/restore CPU time for ~7% less disk
   t.max_bad_steps = 10   # this many non-finite (skipped) steps in a row stop the run
   t.grad_clip_norm = 1.0

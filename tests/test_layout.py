@@ -50,6 +50,10 @@ def small():
   return m
 
 
+def getter(params):
+  return lambda path, c: params[path] if c is None else params[path][c]
+
+
 def random_params(m):
   state = nnx.state(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))))
   rng = np.random.default_rng(0)
@@ -83,9 +87,10 @@ def test_parameters_become_the_release_tensors_and_come_back(tmp_path):
   m = small()
   params = random_params(m)
   assert set(params) == set(layout.bindings(m))           # every parameter has its place
-  release = dict(layout.tensors(m, params))
+  release = dict(layout.tensors(m, getter(params)))
   want = expected_names(m)
   assert {k: st.NAMES[v.dtype] for k, v in release.items()} == want
+  assert layout.expected(m) == {k: (v.dtype, v.shape) for k, v in release.items()}
   shapes = {"self_attn.q_proj.weight": (64, 64), "self_attn.q_conv1d.weight": (64, 1, 4),
             "self_attn.A_log": (32,), "self_attn.dt_bias": (64,), "self_attn.o_norm.weight": (32,),
             "self_attn.b_proj.weight": (2, 64), "self_attn.f_a_proj.weight": (32, 64),
@@ -125,7 +130,7 @@ def test_parameters_become_the_release_tensors_and_come_back(tmp_path):
   np.testing.assert_array_equal(layout.sources(m, source)["cycles/layers/0/mixer/q_proj/kernel"](
       box), loaded["cycles/layers/0/mixer/q_proj/kernel"][:1, 8:40, :1, :32])
 
-  again = dict(layout.tensors(m, loaded))
+  again = dict(layout.tensors(m, getter(loaded)))
   for name, array in release.items():
     if name.endswith(("weight_packed", "weight_scale")):
       continue
@@ -148,7 +153,7 @@ def test_imported_weights_compute_what_the_release_computes():
   from k3jax.convert import hf_config  # noqa: PLC0415
   m = small()
   m.dtype, m.moe.dispatch, m.mla.attention = "float32", "dropless", "dense"
-  release = dict(layout.tensors(m, random_params(m)))
+  release = dict(layout.tensors(m, getter(random_params(m))))
   arrays = {}
   for name, a in release.items():
     if name.endswith("weight_packed"):

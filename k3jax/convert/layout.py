@@ -44,6 +44,7 @@ class Rule:
   paths: tuple[str, ...]
   names: tuple[str, ...]
   dtypes: tuple[np.dtype, ...]
+  shapes: tuple[tuple[int, ...], ...]
   load: Callable[[Sequence[Source]], Sequence[Source]]
   save: Callable[[Sequence[np.ndarray]], Sequence[np.ndarray]]
   mxfp4: bool = False        # names are (packed, scales) pairs of MXFP4 weights
@@ -93,42 +94,45 @@ def whole(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[Source], Source]:
   return load
 
 
-def _one(path, name, dtype, load, save) -> Rule:
-  return Rule((path,), (name,), (dtype,), lambda s: [load(s[0])], lambda a: [save(a[0])])
+def _one(path, name, dtype, shape, load, save) -> Rule:
+  return Rule((path,), (name,), (dtype,), (tuple(shape),), lambda s: [load(s[0])],
+              lambda a: [save(a[0])])
 
 
 def _dense(path, name, in_shape, out_shape, dtype=BF16) -> Rule:
-  return _one(path, name, dtype, linear(in_shape, out_shape),
+  return _one(path, name, dtype, (math.prod(out_shape), math.prod(in_shape)),
+              linear(in_shape, out_shape),
               lambda w: torch_weight(w, len(in_shape)).astype(dtype))
 
 
-def _vector(path, name, dtype=BF16, shape=None) -> Rule:
-  """A vector parameter; `shape`: the release's (e.g. [1, d] for an AttnRes query)."""
-  return _one(path, name, dtype, whole(lambda x: x.reshape(-1)),
-              lambda w: w.reshape(shape or w.shape).astype(dtype))
+def _vector(path, name, n, dtype=BF16, shape=None) -> Rule:
+  """A vector parameter of n entries; `shape`: the release's (e.g. [1, d] for an AttnRes
+  query)."""
+  shape = shape or (n,)
+  return _one(path, name, dtype, shape, whole(lambda x: x.reshape(-1)),
+              lambda w: w.reshape(shape).astype(dtype))
 
 
 def _conv(path, name, width, heads, dim) -> Rule:
   """k3jax taps [W, H, D] (tap j on token t - j) <-> the release's [H * D, 1, W] (last tap
   on the current token)."""
-  return _one(path, name, F32,
+  return _one(path, name, F32, (heads * dim, 1, width),
               whole(lambda x: x.reshape(heads, dim, width)[..., ::-1].transpose(2, 0, 1)),
               lambda w: w[::-1].transpose(1, 2, 0).reshape(heads * dim, 1, width).astype(F32))
 
 
 def _a_log(path, name, heads, stored) -> Rule:
   def load_fn(x):
-    if x.shape != (stored,) or np.any(x[heads:] != 0):
-      raise ValueError(f"{name}: expected [{stored}] with entries past {heads} zero, got "
-                       f"shape {list(x.shape)}")
+    if np.any(x[heads:] != 0):
+      raise ValueError(f"{name}: entries past the {heads} heads must be zero padding")
     return x[:heads]
-  return _one(path, name, F32, whole(load_fn),
+  return _one(path, name, F32, (stored,), whole(load_fn),
               lambda w: np.pad(w.astype(F32), (0, stored - heads)))
 
 
-def _attn_res(path, name) -> list[Rule]:
-  return [_vector(f"{path}/query", f"{name}_proj.weight", shape=(1, -1)),
-          _vector(f"{path}/key_gain", f"{name}_norm.weight")]
+def _attn_res(path, name, d) -> list[Rule]:
+  return [_vector(f"{path}/query", f"{name}_proj.weight", d, shape=(1, d)),
+          _vector(f"{path}/key_gain", f"{name}_norm.weight", d)]
 
 
 def _kda(m, pre: str, path: str) -> list[Rule]:
@@ -146,10 +150,10 @@ def _kda(m, pre: str, path: str) -> list[Rule]:
       _dense(p + "f_down/kernel", s + "f_a_proj.weight", (d,), (r,)),
       _dense(p + "f_up/kernel", s + "f_b_proj.weight", (r,), (h, k)),
       _a_log(p + "A_log", s + "A_log", h, max(h, k)),
-      _one(p + "dt_bias", s + "dt_bias", F32, whole(lambda x: x.reshape(h, k)),
+      _one(p + "dt_bias", s + "dt_bias", F32, (h * k,), whole(lambda x: x.reshape(h, k)),
            lambda a: a.reshape(-1).astype(F32)),
       _dense(p + "gate_proj/kernel", s + "g_proj.weight", (d,), (h, k)),
-      _vector(p + "o_norm/weight", s + "o_norm.weight", F32),
+      _vector(p + "o_norm/weight", s + "o_norm.weight", k, F32),
       _dense(p + "o_proj/kernel", s + "o_proj.weight", (h, k), (d,)),
   ]
 
@@ -161,11 +165,11 @@ def _mla(m, pre: str, path: str) -> list[Rule]:
   s, p = pre + "self_attn.", path + "mixer/"
   return [
       _dense(p + "wq_a/kernel", s + "q_a_proj.weight", (d,), (a.q_lora_rank,)),
-      _vector(p + "q_norm/weight", s + "q_a_layernorm.weight"),
+      _vector(p + "q_norm/weight", s + "q_a_layernorm.weight", a.q_lora_rank),
       _dense(p + "wq_b/kernel", s + "q_b_proj.weight", (a.q_lora_rank,), (h, qk)),
       _dense(p + "wkv_a/kernel", s + "kv_a_proj_with_mqa.weight", (d,),
              (a.kv_lora_rank + a.qk_rope_dim,)),
-      _vector(p + "kv_norm/weight", s + "kv_a_layernorm.weight"),
+      _vector(p + "kv_norm/weight", s + "kv_a_layernorm.weight", a.kv_lora_rank),
       _dense(p + "wkv_b/kernel", s + "kv_b_proj.weight", (a.kv_lora_rank,), (h, kv)),
       _dense(p + "w_g/kernel", s + "g_proj.weight", (d,), (h, a.v_head_dim)),
       _dense(p + "w_o/kernel", s + "o_proj.weight", (h, a.v_head_dim), (d,)),
@@ -198,7 +202,9 @@ def _shared(m, s: str, p: str) -> list[Rule]:
     def save(ws, n_in=n_in, down=down):
       parts = [torch_weight(w, n_in) for w in ws]
       return [np.concatenate(parts, axis=1 if down else 0).astype(BF16)]
-    rules.append(Rule(paths, (f"{s}shared_experts.{name}.weight",), (BF16,), load, save))
+    shape = (d, n * width) if down else (n * width, d)
+    rules.append(Rule(paths, (f"{s}shared_experts.{name}.weight",), (BF16,), (shape,), load,
+                      save))
   return rules
 
 
@@ -220,7 +226,8 @@ def _experts(m, s: str, p: str) -> list[Rule]:
       for j in range(ws[0].shape[0]):
         out.extend(mxfp4.quantize(ws[0][j].T))
       return out
-    rules.append(Rule((p + path,), names, (U8,) * (2 * e), load, save, mxfp4=True))
+    shapes = ((out_dim, in_dim // 2), (out_dim, in_dim // mxfp4.GROUP)) * e
+    rules.append(Rule((p + path,), names, (U8,) * (2 * e), shapes, load, save, mxfp4=True))
   return rules
 
 
@@ -229,9 +236,9 @@ def _moe(m, pre: str, path: str) -> list[Rule]:
   s, p = pre + "block_sparse_moe.", path + "ffn/"
   return [
       _dense(p + "router/kernel", s + "gate.weight", (d,), (e,)),
-      _vector(p + "bias", s + "gate.e_score_correction_bias", F32),
+      _vector(p + "bias", s + "gate.e_score_correction_bias", e, F32),
       _dense(p + "w_down/kernel", s + "routed_expert_down_proj.weight", (d,), (lat,)),
-      _vector(p + "latent_norm/weight", s + "routed_expert_norm.weight"),
+      _vector(p + "latent_norm/weight", s + "routed_expert_norm.weight", lat),
       _dense(p + "w_up/kernel", s + "routed_expert_up_proj.weight", (lat,), (d,)),
       *_shared(m, s, p), *_experts(m, s, p),
   ]
@@ -239,22 +246,22 @@ def _moe(m, pre: str, path: str) -> list[Rule]:
 
 def layer_rules(m, layer: int, mixer: str, ffn: str, path: str) -> list[Rule]:
   """The rules of release layer `layer` (0-based) at k3jax path prefix `path`."""
-  pre = f"{LAYERS}{layer}."
-  return [_vector(path + "mixer_norm/weight", pre + "input_layernorm.weight"),
-          _vector(path + "ffn_norm/weight", pre + "post_attention_layernorm.weight"),
-          *_attn_res(path + "mixer_query", pre + "self_attention_res"),
-          *_attn_res(path + "ffn_query", pre + "mlp_res"),
+  pre, d = f"{LAYERS}{layer}.", m.d_model
+  return [_vector(path + "mixer_norm/weight", pre + "input_layernorm.weight", d),
+          _vector(path + "ffn_norm/weight", pre + "post_attention_layernorm.weight", d),
+          *_attn_res(path + "mixer_query", pre + "self_attention_res", d),
+          *_attn_res(path + "ffn_query", pre + "mlp_res", d),
           *(_kda if mixer == "kda" else _mla)(m, pre, path),
           *(_dense_ffn if ffn == "dense" else _moe)(m, pre, path)]
 
 
 def global_rules(m) -> list[Rule]:
   d, v = m.d_model, m.vocab_size
-  return [_one("embed", TEXT + "model.embed_tokens.weight", BF16, lambda src: src,
+  return [_one("embed", TEXT + "model.embed_tokens.weight", BF16, (v, d), lambda src: src,
                lambda w: w.astype(BF16)),
           _dense("lm_head/kernel", TEXT + "lm_head.weight", (d,), (v,)),
-          _vector("final_norm/weight", TEXT + "model.norm.weight"),
-          *_attn_res("out_query", TEXT + "model.output_attn_res")]
+          _vector("final_norm/weight", TEXT + "model.norm.weight", d),
+          *_attn_res("out_query", TEXT + "model.output_attn_res", d)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,14 +306,34 @@ def sources(m, release: Callable[[str], Source]) -> dict[str, Source]:
   return out
 
 
-def tensors(m, params: dict[str, np.ndarray]):
-  """The release tensors (name, array), layer by layer, of k3jax parameters `params`
-  (path -> array; stacked cycles with their leading axis)."""
-  seen = set()
-  for path, binding in bindings(m).items():
-    for c, (rule, _) in enumerate(binding.parts):
-      if id(rule) in seen:
-        continue
-      seen.add(id(rule))
-      arrays = [params[p][c] if binding.stacked else params[p] for p in rule.paths]
-      yield from zip(rule.names, rule.save(arrays))
+def expected(m) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+  """Every release tensor the text model of `m` reads: name -> (dtype, shape)."""
+  out = {}
+  for binding in bindings(m).values():
+    for rule, _ in binding.parts:
+      out.update({n: (dt, sh) for n, dt, sh in zip(rule.names, rule.dtypes, rule.shapes)})
+  return out
+
+
+def groups(m):
+  """The release's tensor groups in its shard order: (label, rules, c) per layer (c: the
+  cycle index of a scanned layer's parameters, else None), then ("globals", rules, None)."""
+  plan = layer_plan(m)
+  for i in range(len(plan.mixers)):
+    if i < plan.prefix:
+      path, c = f"prefix/{i}/", None
+    elif i < plan.prefix + plan.num_cycles * plan.cycle:
+      c, j = divmod(i - plan.prefix, plan.cycle)
+      path = f"cycles/layers/{j}/"
+    else:
+      path, c = f"suffix/{i - plan.prefix - plan.num_cycles * plan.cycle}/", None
+    yield f"layer {i}", layer_rules(m, i, plan.mixers[i], plan.ffns[i], path), c
+  yield "globals", global_rules(m), None
+
+
+def tensors(m, param: Callable[[str, int | None], np.ndarray]):
+  """The release tensors (name, array), in shard order, of the k3jax parameters that
+  `param(path, c)` returns (c: the cycle of a stacked parameter, else None)."""
+  for _, rules, c in groups(m):
+    for rule in rules:
+      yield from zip(rule.names, rule.save([param(p, c) for p in rule.paths]))
