@@ -50,10 +50,16 @@ class Rule:
   mxfp4: bool = False        # names are (packed, scales) pairs of MXFP4 weights
 
 
+def _contiguous(idx: np.ndarray) -> bool:
+  return idx[-1] - idx[0] + 1 == len(idx) and bool(np.all(np.diff(idx) == 1))
+
+
 def _span_gather(src: Source, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
   """src[rows][:, cols] for index arrays, reading the rows' covering span once."""
   r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
   block = src(((int(r0), int(r1)), (int(c0), int(c1))))
+  if _contiguous(rows) and _contiguous(cols):       # the usual box: no gather needed
+    return block
   return block[np.ix_(rows - r0, cols - c0)]
 
 

@@ -31,6 +31,17 @@ _SIGN = np.uint8(8)
 NAN_SCALE = 255
 
 
+def _code_values() -> np.ndarray:
+  magnitude = np.concatenate([E2M1_VALUES, E2M1_VALUES])
+  return np.where(np.arange(16) & 8, -magnitude, magnitude).astype(np.float32)
+
+
+# every byte's two float32 values (low nibble first) as one 8-byte word: dequantizing is
+# one lookup per byte
+_BYTE_VALUES = np.stack([_code_values()[np.arange(256) & 0xF],
+                         _code_values()[np.arange(256) >> 4]], axis=-1).view(np.uint64)[:, 0]
+
+
 def unpack_codes(packed: np.ndarray) -> np.ndarray:
   """uint8 [..., N / 2] -> the E2M1 codes uint8 [..., N], low nibble first."""
   packed = np.asarray(packed, np.uint8)
@@ -55,18 +66,18 @@ def _groups(shape, n: int) -> int:
 def dequantize(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
   """packed uint8 [..., N / 2], scales uint8 [..., N / 32] -> [..., N] in `dtype`
   (float32 holds every value exactly; bf16 too, down to scale 2^-133)."""
-  codes = unpack_codes(packed)
-  n = codes.shape[-1]
+  packed = np.asarray(packed, np.uint8)
+  shape = (*packed.shape[:-1], 2 * packed.shape[-1])
+  n = shape[-1]
   scales = np.asarray(scales, np.uint8)
-  if scales.shape != (*codes.shape[:-1], _groups(codes.shape, n)):
+  if scales.shape != (*shape[:-1], _groups(shape, n)):
     raise ValueError(f"MXFP4 scales of shape {scales.shape} do not fit packed weights "
                      f"{packed.shape} ({n} columns: {n // GROUP} scales a row)")
   if (scales == NAN_SCALE).any():
     raise ValueError("MXFP4 scale 255 (E8M0 NaN) in the scales")
-  magnitude = E2M1_VALUES[codes & 7]
-  values = np.where(codes & _SIGN, -magnitude, magnitude)
-  exponent = np.repeat(scales.astype(np.int32) - 127, GROUP, axis=-1)
-  return np.ldexp(values, exponent).astype(dtype)
+  values = np.take(_BYTE_VALUES, packed).view(np.float32).reshape(*shape[:-1], -1, GROUP)
+  factors = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)   # exact powers of two
+  return (values * factors[..., None]).reshape(shape).astype(dtype, copy=False)
 
 
 def group_scales(amax_bf16: np.ndarray) -> np.ndarray:
