@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.convert import exporter, layout
+from k3jax.convert import exporter, importer, layout
 from k3jax.convert import safetensors as st
 from k3jax.model import mxfp4
 from k3jax.model.k3 import K3Model
@@ -38,9 +38,8 @@ def release_dir(path):
   rng = np.random.default_rng(0)
   params = {}
   for keys, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
-    params[name.removesuffix("/.value")] = 0.1 * rng.standard_normal(leaf.shape).astype(
-        np.float32)
+    params[importer.param_path(keys).removesuffix("/.value")] = (
+        0.1 * rng.standard_normal(leaf.shape).astype(np.float32))
   exporter.export_release(m, lambda p, c: params[p] if c is None else params[p][c], path,
                           log=lambda msg: None)
   vision = os.path.join(path, "model-vision.safetensors")

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import base_config
-from k3jax.convert import layout, stream
+from k3jax.convert import importer, layout, stream
 from k3jax.convert import safetensors as st
 from k3jax.model import mxfp4
 from k3jax.model.k3 import K3Model
@@ -59,8 +59,7 @@ def random_params(m):
   rng = np.random.default_rng(0)
   params = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-    name = name.removesuffix("/.value")
+    name = importer.param_path(path).removesuffix("/.value")
     params[name] = rng.standard_normal(leaf.shape).astype(np.float32)
   return params
 
