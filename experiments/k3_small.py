@@ -14,7 +14,8 @@ MLA attention is "auto": on a GPU, cuDNN's flash attention (Triton `mha` for row
 documents; `pallas_kernels.attention.flash_cuda`), no [T, T] scores.
 
 "32k", "128k": long sequences (2 x 32,768 tokens a step as two microbatches; 1 x 131,072):
-each scanned layer its own remat region, the LM head and loss 4,096 positions at a time.
+each scanned layer its own remat region, the LM head and loss 4,096 positions at a time;
+at 128k the experts take 16,384 tokens at a time (`moe.token_chunk`).
 With several GPUs, `--config.mesh.context=N` splits each sequence over N of them (the GPU
 kernels take no query offset yet: each GPU attends for all rows of its sequence). Tokens/s
 and fit on one H200: benchmarks/results/context_parallel.md.
@@ -28,7 +29,7 @@ _LONG = {"model.remat_scope": "layer",
 _LONG_VARIANTS = {
     "32k": {**_LONG, "train.seq_len": 32_768, "train.global_batch": 2, "train.microbatches": 2},
     "128k": {**_LONG, "train.seq_len": 131_072, "train.global_batch": 1,
-             "train.microbatches": 1},
+             "train.microbatches": 1, "model.moe.token_chunk": 16_384},
 }
 VARIANTS = (None, "", "multimodal", *_LONG_VARIANTS)
 

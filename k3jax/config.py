@@ -101,6 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
                              # capacity elsewhere (CPU; XLA's ragged_dot is ~60x below the
                              # matmul rate on H200); see moe_dispatch.resolve_dispatch
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
+  # The dropless dispatches route a device's tokens this many at a time, each chunk's
+  # expert activations rematerialized (0: all at once); bounds the MoE's memory at long
+  # sequences. The capacity dispatches refuse it (their buffers are per row)
+  e.token_chunk = 0
   # The dropless dispatches' grouped matmuls (pallas_kernels.grouped_matmul): "auto" (the
   # Mosaic GPU kernels on GPU, warp-specialized where the shapes fit their tiles; ragged_dot
   # elsewhere), "reference" (ragged_dot), "kernel" (per-tile), "kernel_ws"
@@ -343,6 +347,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(e.dispatch in DISPATCHES, "model.moe.dispatch",
          f"must be one of {DISPATCHES}, got {e.dispatch!r}")
   _check(e.capacity_factor > 0, "model.moe.capacity_factor", "must be positive")
+  _check(e.token_chunk >= 0, "model.moe.token_chunk", "must be >= 0 (0: all tokens at once)")
+  _check(not e.token_chunk or e.dispatch not in ("capacity", "expert_parallel"),
+         "model.moe.token_chunk", f"needs a dropless dispatch; model.moe.dispatch is "
+         f"{e.dispatch!r} (a per-row capacity buffer cannot be chunked)")
   _check(e.expert_quant in EXPERT_QUANTS, "model.moe.expert_quant",
          f"must be one of {EXPERT_QUANTS}, got {e.expert_quant!r}")
   _check(e.expert_quant == "none" or (e.latent_dim % 32 == 0 and e.expert_dim % 32 == 0),

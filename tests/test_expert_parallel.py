@@ -183,14 +183,17 @@ def test_experts_that_do_not_split_over_the_expert_axis_are_refused():
     jax.eval_shape(lambda x: layer(x)[0], x)
 
 
-@pytest.mark.parametrize("sizes", [dict(data=4, fsdp=2), dict(expert=2, fsdp=2, tensor=2)],
-                         ids=["data4-fsdp2", "expert2-fsdp2-tensor2"])
-def test_per_device_dropless_equals_unsharded_dropless(sizes, monkeypatch):
+@pytest.mark.parametrize("sizes,token_chunk", [
+    (dict(data=4, fsdp=2), 0), (dict(expert=2, fsdp=2, tensor=2), 0),
+    (dict(expert=2, fsdp=2, tensor=2), 16)],
+    ids=["data4-fsdp2", "expert2-fsdp2-tensor2", "expert2-fsdp2-tensor2-chunk16"])
+def test_per_device_dropless_equals_unsharded_dropless(sizes, token_chunk, monkeypatch):
   """moe.dispatch = "expert_parallel_dropless": each device sorts its own pairs; over
   expert=2 the rows travel to their experts' owners by ragged all-to-all (on CPU the op as
   its docstring defines it, `conftest.ragged_all_to_all_by_gather`, so what is checked is
   the dispatch's offsets, sizes and regrouping). Output, aux and every gradient equal the
-  unsharded dropless layer's; nothing is dropped."""
+  unsharded dropless layer's; nothing is dropped. With moe.token_chunk each device routes
+  its tokens 16 at a time (several chunks a device, each its own all-to-alls)."""
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", ragged_all_to_all_by_gather)
   cfg, params, rest, (p, r, x, valid, cot), _ = _problem()
   plain = _cfg("dropless")
@@ -198,6 +201,7 @@ def test_per_device_dropless_equals_unsharded_dropless(sizes, monkeypatch):
   y1, aux1, g_params1, g_x1 = jax.device_get(
       jax.jit(functools.partial(_step, graphdef))(p, r, x, valid, cot))
   cfg = _cfg("expert_parallel_dropless", **sizes)
+  cfg.model.moe.token_chunk = token_chunk
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: LatentMoE(cfg.model, rngs=nnx.Rngs(0))))
   mesh = parallel.make_mesh(cfg.mesh)
   args = _placed(mesh, params, rest, (p, r, x, valid, cot))

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from k3jax.config import base_config
@@ -332,6 +333,50 @@ def test_dropless_dispatch_is_gathers_both_ways():
   float_scatter_adds = [q for q in eqns if q.primitive.name == "scatter-add"
                         and jnp.issubdtype(q.outvars[0].aval.dtype, jnp.floating)]
   assert not float_scatter_adds  # (bincount's integer one counts the group sizes)
+
+
+def test_token_chunks_dispatch_the_same_as_all_tokens_at_once():
+  """moe.token_chunk: the dropless dispatch over 4 chunks of 6 tokens (a rematerialized
+  loop) gives the u and the gradients (z, routing weights, expert matrices) of one
+  dispatch of all 24; a chunk that does not divide the tokens is refused, naming both."""
+  from k3jax.model.moe_dispatch import dropless_moe, ragged_glu_experts  # noqa: PLC0415
+  n, lat, hid, k, e = 24, 6, 5, 3, 4
+  rng = np.random.default_rng(5)
+  z = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
+  idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
+  w = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
+  shapes = ((e, lat, hid), (e, lat, hid), (e, hid, lat))
+  mats = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+  cot = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
+
+  def loss(chunk, z, w, mats):
+    experts = ragged_glu_experts(*mats, lambda g, v: jnp.tanh(g) * v, jnp.float32)
+    return jnp.sum(dropless_moe(z, idx, w, experts, e, token_chunk=chunk) * cot)
+
+  def grad(chunk):
+    return jax.jit(jax.value_and_grad(functools.partial(loss, chunk), (0, 1, 2)))(z, w, mats)
+  whole, chunked = grad(0), grad(6)
+  np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
+  # the weight gradients sum over tokens in another order: relative to each array's norm
+  for a, b in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(whole[1])):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b)
+  with pytest.raises(ValueError, match="moe.token_chunk=5 does not divide the 24 tokens"):
+    loss(5, z, w, mats)
+
+
+def test_token_chunk_is_refused_by_the_capacity_dispatch():
+  """A per-row capacity buffer cannot be cut into chunks: explicit in the config, and
+  where "auto" resolves to capacity (CPU) at trace time."""
+  from k3jax.config import ConfigError, validate  # noqa: PLC0415
+  c = base_config()
+  c.model.moe.dispatch, c.model.moe.token_chunk = "capacity", 64
+  with pytest.raises(ConfigError, match="model.moe.token_chunk.*needs a dropless dispatch"):
+    validate(c)
+  _, module = make(dispatch="auto", token_chunk=8)
+  with pytest.raises(ValueError, match="needs a dropless dispatch; moe.dispatch='auto' is "
+                                       "'capacity' here"):
+    forward(module, inputs(), None)
 
 
 def test_auto_dispatch_per_platform():

@@ -187,13 +187,15 @@ def _ragged_exchange(run, rows: jax.Array, group_sizes: jax.Array, axis: str) ->
 def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array,
                                  w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act,
                                  dtype, gmm_backend: str = "auto",
-                                 platform: str | None = None) -> jax.Array:
+                                 platform: str | None = None,
+                                 token_chunk: int = 0) -> jax.Array:
   """The dropless dispatch per device, experts split over the mesh axis of `experts` and
   exchanged with ragged all-to-alls (module docstring; TPU and GPU).
 
   z: [B, T, L]; idx: [B, T, k] int32; weights: [B, T, k] fp32; w_g, w_u: [E, L, H];
   w_d: [E, H, L]; act: the fp32 GLU activation; gmm_backend, platform: of the grouped
-  matmuls (`ragged_glu_experts`). Without a mesh, `dropless_moe` on one device. Returns
+  matmuls (`ragged_glu_experts`); token_chunk: each device's tokens dispatched that many
+  at a time (`dropless_moe`). Without a mesh, `dropless_moe` on one device. Returns
   u [B, T, L] fp32, equal to `dropless_moe`'s.
   """
   b, t, k = idx.shape
@@ -202,7 +204,7 @@ def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Arra
   if mesh is None:
     experts = ragged_glu_experts(w_g, w_u, w_d, act, dtype, gmm_backend, platform)
     u = dropless_moe(z.reshape(b * t, -1), idx.reshape(b * t, k), weights.reshape(b * t, k),
-                     experts, num_experts)
+                     experts, num_experts, token_chunk)
     return u.reshape(b, t, -1)
   batch, ep, lat, hid = _layout(mesh, num_experts, "expert_parallel_dropless")
   seq = axes.mesh_axes("seq")
@@ -218,7 +220,7 @@ def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Arra
     if hid:
       z = jax.lax.pcast(z, hid, to="varying")  # as in expert_parallel_moe
     u = dropless_moe(z, idx.reshape(bl * t, k), weights.reshape(bl * t, k), experts,
-                     num_experts)
+                     num_experts, token_chunk)
     if hid:
       u = jax.lax.psum(u, hid)  # the partial sums of each tensor peer's slice of H
     return u.reshape(bl, t, -1)

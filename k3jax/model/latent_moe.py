@@ -95,7 +95,7 @@ class LatentMoE(nnx.Module):
     if e.dispatch not in DISPATCHES:
       raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {e.dispatch!r}")
     self.dispatch, self.capacity_factor = e.dispatch, float(e.capacity_factor)
-    self.gmm_backend = e.gmm_backend
+    self.gmm_backend, self.token_chunk = e.gmm_backend, int(e.token_chunk)
     self.expert_quant = e.expert_quant
     self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
 
@@ -150,14 +150,19 @@ class LatentMoE(nnx.Module):
     fits = grouped_kernel_fits(t * k, z.shape[-1], self.w_g.shape[-1], n_exp, self.dtype,
                                self.gmm_backend)
     dispatch = resolve_dispatch(self.dispatch, platform, fits, experts_split(mesh))
+    if self.token_chunk and dispatch not in ("dropless", "expert_parallel_dropless"):
+      raise ValueError(f"moe.token_chunk={self.token_chunk} needs a dropless dispatch; "
+                       f"moe.dispatch={self.dispatch!r} is {dispatch!r} here ({platform}): "
+                       "set moe.dispatch to a dropless one or moe.token_chunk=0")
     w_g, w_u, w_d = self.expert_weights()
     if dispatch == "dropless":
       experts = ragged_glu_experts(w_g, w_u, w_d, act, self.dtype, self.gmm_backend, platform)
-      u = dropless_moe(z.reshape(n, -1), idx, w, experts, n_exp)
+      u = dropless_moe(z.reshape(n, -1), idx, w, experts, n_exp, self.token_chunk)
       dropped = jnp.zeros((), jnp.int32)
     elif dispatch == "expert_parallel_dropless":
       u = expert_parallel_dropless_moe(z, idx.reshape(b, t, k), w.reshape(b, t, k), w_g, w_u,
-                                       w_d, act, self.dtype, self.gmm_backend, platform)
+                                       w_d, act, self.dtype, self.gmm_backend, platform,
+                                       self.token_chunk)
       dropped = jnp.zeros((), jnp.int32)
     else:
       # per row; under context parallelism per device's slice of a row (`slices` of it)

@@ -70,14 +70,35 @@ def grouped_kernel_fits(rows: int, latent: int, hidden: int, num_experts: int, d
 
 
 def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: ExpertsFn,
-                 num_experts: int) -> jax.Array:
+                 num_experts: int, token_chunk: int = 0) -> jax.Array:
   """u = sum_k weights[:, k] * experts(z)[token, idx[:, k]] without dropping tokens.
 
   z: [N, L]; idx: [N, k] int32; weights: [N, k] fp32. `experts(rows, group_sizes)` maps
   rows [N*k, L] sorted by expert (group_sizes [E] rows per expert, in expert order) to
   [N*k, L]. Returns u [N, L] fp32. The sorted rows are the capacity dispatch's buffer with
   one slot per pair, so both directions are the same gather-only custom VJPs.
+
+  token_chunk (`moe.token_chunk`, 0: all N at once): dispatch that many tokens at a time
+  in a loop whose steps are rematerialized, so the experts' activations ([token_chunk * k,
+  H] fp32 and the sorted rows) exist for one chunk at a time, whatever N. Each token's u
+  is the same either way (the dispatch is per token); only the order of the experts'
+  weight-gradient sums changes.
   """
+  n, k = idx.shape
+  if token_chunk and token_chunk < n:
+    if n % token_chunk:
+      raise ValueError(f"moe.token_chunk={token_chunk} does not divide the {n} tokens a "
+                       "device dispatches (rows x positions on it)")
+    c = n // token_chunk
+    step = jax.checkpoint(lambda a: _dropless(*a, experts, num_experts), prevent_cse=False)
+    u = jax.lax.map(step, (z.reshape(c, token_chunk, -1), idx.reshape(c, token_chunk, k),
+                           weights.reshape(c, token_chunk, k)))
+    return u.reshape(n, -1)
+  return _dropless(z, idx, weights, experts, num_experts)
+
+
+def _dropless(z, idx, weights, experts, num_experts):
+  """`dropless_moe` on all of its tokens at once."""
   n, k = idx.shape
   flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [N*k] the pair at each row
