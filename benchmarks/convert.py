@@ -5,8 +5,9 @@
 Writes a release-layout directory of a K3-structured model (9 layers, MXFP4 experts; sizes
 from the flags) with the exporter, then: (1) raw read: every shard file read once in 64 MiB
 pieces, (2) import: `importer.load_release` onto the local devices, arrays ready. Both read
-the same bytes; what the page cache holds is reported, not controlled (drop it first for a
-cold-disk number). Prints GB/s of each, their ratio, and the process's peak RSS.
+the same bytes. With --cold (root on Linux) the page cache is dropped before each, so both
+read the disk; without it both read whatever the cache holds. Prints GB/s of each, their
+ratio, and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -46,11 +47,21 @@ def peak_rss_gib() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def maybe_drop_cache(cold: bool) -> None:
+  """Empty Linux's page cache (root only), so the next reads come from the disk."""
+  if cold:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+      f.write("3\n")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dir", default="/tmp/k3-release")
   parser.add_argument("--d_model", type=int, default=1024)
   parser.add_argument("--experts", type=int, default=64)
+  parser.add_argument("--cold", action="store_true",
+                      help="drop the page cache before the raw read and the import (root)")
   args = parser.parse_args()
   cfg = model_config(args.d_model, args.experts)
   m = cfg.model
@@ -70,6 +81,8 @@ def main():
   nbytes = sum(os.path.getsize(f) for f in files)
   rss0 = peak_rss_gib()
 
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh))
+  maybe_drop_cache(args.cold)
   t0 = time.perf_counter()
   for f in files:
     with open(f, "rb", buffering=0) as fh:
@@ -77,7 +90,7 @@ def main():
         pass
   raw = time.perf_counter() - t0
 
-  prog = program.build(cfg, parallel.make_mesh(cfg.mesh))
+  maybe_drop_cache(args.cold)
   t0 = time.perf_counter()
   params, rest = importer.load_release(args.dir, m, prog.abstract_state[:2],
                                        log=lambda msg: None)
@@ -86,6 +99,7 @@ def main():
   state_bytes = sum(x.nbytes for x in jax.tree.leaves((params, rest)))
   print(json.dumps({
       "jax": jax.__version__, "devices": jax.device_count(), "files": len(files),
+      "page_cache": "dropped" if args.cold else "as found",
       "file_gib": round(nbytes / 2**30, 3), "param_gib_fp32": round(state_bytes / 2**30, 3),
       "raw_read_gbs": round(nbytes / raw / 1e9, 3), "import_gbs": round(nbytes / imp / 1e9, 3),
       "import_vs_raw": round(raw / imp, 3), "raw_s": round(raw, 2), "import_s": round(imp, 2),

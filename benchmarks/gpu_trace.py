@@ -22,10 +22,12 @@ import sys
 # kind -> pattern on the lower-cased kernel name; the first that matches names the kind.
 KINDS = (
     ("MLA attention (Triton mha)", r"mha"),
+    ("MLA attention (cuDNN flash)", r"sdpa|flash_fprop|flash_bprop"),
+    ("QK-Clip max logit", r"row_max_kernel|max_logit"),
     ("KDA kernels", r"rec_fwd|rec_bwd|prep_kernel|chunk_cots|chunk_bwd|transition_kernel|"
                     r"chain_kernel"),
     ("short conv kernels", r"grad_p_kernel|grad_x_kernel|_fwd_kernel"),
-    ("grouped matmuls (Mosaic GPU)", r"mosaic|persistent|gmm|ragged"),
+    ("grouped matmuls (Mosaic GPU)", r"mosaic|persistent|(?<!w)gmm|ragged"),
     ("Newton-Schulz kernels", r"gram_kernel|poly_kernel|apply_kernel|whole_kernel"),
     ("cuBLAS / cuDNN matmuls", r"gemm|nvjet|cublas|cudnn|xmma|cutlass|sm90_|wgmma"),
     ("copies and sets", r"memcpy|memset|copy"),

@@ -15,7 +15,8 @@ documents; `pallas_kernels.attention.flash_cuda`), no [T, T] scores.
 
 "32k", "128k": long sequences (2 x 32,768 tokens a step as two microbatches; 1 x 131,072):
 each scanned layer its own remat region, the LM head and loss 4,096 positions at a time;
-at 128k the experts take 16,384 tokens at a time (`moe.token_chunk`).
+at 128k the experts take 16,384 tokens at a time (`moe.token_chunk`), and the step needs
+more than JAX's default 75% of an H200: run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95.
 With several GPUs, `--config.mesh.context=N` splits each sequence over N of them (the GPU
 kernels take no query offset yet: each GPU attends for all rows of its sequence). Tokens/s
 and fit on one H200: benchmarks/results/context_parallel.md.

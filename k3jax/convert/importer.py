@@ -14,6 +14,7 @@ MoonViT-V2 does not yet compute the release's (2-D RoPE, projector form).
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 
 import jax
@@ -23,6 +24,7 @@ from k3jax.convert import layout, safetensors, stream
 from k3jax.convert.safetensors import FormatError
 
 NOT_READ = ("vision_tower.", "mm_projector.")
+IMPORT_THREADS = 4
 
 
 def read_headers(hf_dir: str) -> dict[str, safetensors.TensorInfo]:
@@ -81,9 +83,13 @@ def load_release(hf_dir: str, m, abstract: tuple, log: Callable[[str], None] = p
   sources = layout.sources(m, release)
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
   progress = stream.Progress(total, log=lambda msg: log(f"import: {msg}"))
-  return tuple(jax.tree_util.tree_map_with_path(
-      lambda keys, a: stream.assemble(a, sources[param_path(keys)], progress), tree)
-      for tree in abstract)
+  # arrays assembled IMPORT_THREADS at a time: NumPy's copies and the device puts release
+  # the GIL, so reads, dequantization and transfers of different arrays overlap
+  with concurrent.futures.ThreadPoolExecutor(IMPORT_THREADS) as pool:
+    futures = tuple(jax.tree_util.tree_map_with_path(
+        lambda keys, a: pool.submit(stream.assemble, a, sources[param_path(keys)], progress),
+        tree) for tree in abstract)
+    return tuple(jax.tree.map(lambda f: f.result(), tree) for tree in futures)
 
 
 def write_weights(directory: str, params, rest, config_json: str) -> None:

@@ -77,7 +77,8 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.n
     raise ValueError("MXFP4 scale 255 (E8M0 NaN) in the scales")
   values = np.take(_BYTE_VALUES, packed).view(np.float32).reshape(*shape[:-1], -1, GROUP)
   factors = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)   # exact powers of two
-  return (values * factors[..., None]).reshape(shape).astype(dtype, copy=False)
+  np.multiply(values, factors[..., None], out=values)   # in place: no second large array
+  return values.reshape(shape).astype(dtype, copy=False)
 
 
 def group_scales(amax_bf16: np.ndarray) -> np.ndarray:
