@@ -303,6 +303,18 @@ def take_form_dropless_moe(z, idx, weights, experts, num_experts):
   return jnp.einsum("nk,nkl->nl", weights, out)
 
 
+def dispatch_problem(seed: int, n=24, lat=6, hid=5, k=3, e=4):
+  """A dispatch's inputs: z [n, lat], idx [n, k] (distinct experts a token), routing
+  weights [n, k], the experts' GLU matrices, a cotangent for u, and e."""
+  rng = np.random.default_rng(seed)
+  z = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
+  idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
+  w = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
+  shapes = ((e, lat, hid), (e, lat, hid), (e, hid, lat))
+  mats = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+  return z, idx, w, mats, jnp.asarray(rng.normal(size=(n, lat)), jnp.float32), e
+
+
 def test_dropless_dispatch_is_gathers_both_ways():
   """The dropless dispatch (sorted rows as a capacity buffer of one slot per pair, the
   gather-only custom VJPs) against JAX's autodiff of the take / scatter form: u and the
@@ -310,14 +322,7 @@ def test_dropless_dispatch_is_gathers_both_ways():
   rows (slow on GPU; the take form's does)."""
   from conftest import jaxpr_eqns  # noqa: PLC0415
   from k3jax.model.moe_dispatch import dropless_moe, ragged_glu_experts  # noqa: PLC0415
-  n, lat, hid, k, e = 24, 6, 5, 3, 4
-  rng = np.random.default_rng(4)
-  z = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
-  idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
-  w = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
-  shapes = ((e, lat, hid), (e, lat, hid), (e, hid, lat))
-  mats = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
-  cot = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
+  z, idx, w, mats, cot, e = dispatch_problem(seed=4)
 
   def loss(dispatch, z, w, mats):
     experts = ragged_glu_experts(*mats, lambda g, v: jnp.tanh(g) * v, jnp.float32)
@@ -340,14 +345,7 @@ def test_token_chunks_dispatch_the_same_as_all_tokens_at_once():
   loop) gives the u and the gradients (z, routing weights, expert matrices) of one
   dispatch of all 24; a chunk that does not divide the tokens is refused, naming both."""
   from k3jax.model.moe_dispatch import dropless_moe, ragged_glu_experts  # noqa: PLC0415
-  n, lat, hid, k, e = 24, 6, 5, 3, 4
-  rng = np.random.default_rng(5)
-  z = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
-  idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(n)]), jnp.int32)
-  w = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
-  shapes = ((e, lat, hid), (e, lat, hid), (e, hid, lat))
-  mats = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
-  cot = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
+  z, idx, w, mats, cot, e = dispatch_problem(seed=5)
 
   def loss(chunk, z, w, mats):
     experts = ragged_glu_experts(*mats, lambda g, v: jnp.tanh(g) * v, jnp.float32)
