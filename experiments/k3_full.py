@@ -6,7 +6,7 @@
       --chip_config=megacore --chips_per_host_bounds=2,2,1
 
 Every value is the default of `k3jax.config.base_config()` (K3_SPEC section 1), with the
-MoonViT-V2 vision tower (K3_SPEC 6: 27 layers, width 1024, 401M + a 29M projector) built.
+MoonViT-V2 vision tower (K3_SPEC 6: 27 layers, width 1024, 401M + the released 46M projector) built.
 
 `FILE:<variant>` sets the mesh, batch, micro-batching, remat and MoE dispatch for one TPU
 slice (`VARIANTS`; the name counts TensorCores: a v5p chip is one JAX device of 2 cores, an

@@ -55,7 +55,7 @@ def get_config(arg: str | None = None):
   m.attn_res.block_layers = 4
   # KDA: the base config's "auto" (the Triton kernel at chunk 16 on the H200): the train step
   # takes 2583 ms vs 3736 with the pure-JAX chunk form at 32 (results/kda.md, session 7)
-  # A 12-layer, 768-wide MoonViT-V2 (86M + a 6M projector), on in the "multimodal" variant
+  # A 12-layer, 768-wide MoonViT-V2 (86M + a 16M projector), on in the "multimodal" variant
   # (a tower nothing reads would only take weight decay).
   v = m.vision
   v.num_layers, v.width, v.num_heads, v.head_dim, v.mlp_dim = 12, 768, 6, 128, 3_072

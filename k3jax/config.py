@@ -142,7 +142,17 @@ def base_config() -> ml_collections.ConfigDict:
   v.max_patches = 16_384  # N: patches in one packed buffer (and most of one image); the data
                          # pipeline packs one buffer per batch row
   v.max_media = 64       # images / videos in one packed buffer (one batch row)
-  v.projector_hidden = 0  # 0: RMSNorm + Dense merge**2 * width -> d_model; > 0: an MLP this wide
+  # The released K3's tower: 2-D RoPE on q and k in every block (head_dim's pairs turn by
+  # column and row in turn, theta 10000); its RMSNorms' eps is torch's default for bf16
+  v.rope_2d = True
+  v.rope_theta = 10_000.0
+  v.norm_eps = 2.0 ** -7  # the blocks' and the final norm's (the projector's: model.norm_eps)
+  # Projector merge**2 * width -> d_model: -1 (the release): Dense to merge**2 * width, GELU,
+  # Dense; > 0: the same this wide; 0: one Dense. projector_norm "post" (the release:
+  # RMSNorm of the output) or "pre" (of the input); projector_act "gelu" (erf) or "gelu_tanh"
+  v.projector_hidden = -1
+  v.projector_norm = "post"
+  v.projector_act = "gelu"
   v.placeholder_id = 163_605  # the text token the image features replace (Kimi's media placeholder)
   v.attention = "dense"  # pallas_kernels.attention backend, as model.mla.attention
 
@@ -253,7 +263,7 @@ RESTORE_FIELDS = (
     "model.vision.enabled", "model.vision.num_layers", "model.vision.width",
     "model.vision.num_heads", "model.vision.head_dim", "model.vision.mlp_dim",
     "model.vision.patch_size", "model.vision.merge", "model.vision.pos_emb",
-    "model.vision.pos_grid", "model.vision.projector_hidden",
+    "model.vision.pos_grid", "model.vision.projector_hidden", "model.vision.projector_norm",
     "optimizer.name", "optimizer.muon.per_head", "optimizer.muon.router",
 )
 
@@ -456,8 +466,15 @@ def _check_vision(m: ml_collections.ConfigDict) -> None:
   unit = v.merge * v.merge * v.temporal_pool
   _check(v.max_patches >= unit and v.max_patches % unit == 0, "model.vision.max_patches",
          f"{v.max_patches} must be a positive multiple of merge**2 * temporal_pool = {unit}")
-  _check(v.projector_hidden >= 0, "model.vision.projector_hidden",
-         f"must be >= 0 (0: one Dense), got {v.projector_hidden}")
+  _check(v.projector_hidden >= -1, "model.vision.projector_hidden",
+         f"must be -1 (as wide as its input), 0 (one Dense) or > 0, got {v.projector_hidden}")
+  _check(v.projector_norm in ("pre", "post"), "model.vision.projector_norm",
+         f"must be 'pre' or 'post', got {v.projector_norm!r}")
+  _check(v.projector_act in ("gelu", "gelu_tanh"), "model.vision.projector_act",
+         f"must be 'gelu' or 'gelu_tanh', got {v.projector_act!r}")
+  _check(v.norm_eps > 0, "model.vision.norm_eps", f"must be positive, got {v.norm_eps}")
+  _check(not v.rope_2d or v.head_dim % 4 == 0, "model.vision.head_dim",
+         f"2-D RoPE turns pairs by column and row in turn: {v.head_dim} is not a multiple of 4")
   if v.enabled:
     _check(0 <= v.placeholder_id < m.vocab_size, "model.vision.placeholder_id",
            f"{v.placeholder_id} is not a token id of the vocabulary (vocab_size="

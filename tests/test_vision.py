@@ -11,9 +11,9 @@ from flax import nnx
 from k3jax import config as k3config
 from k3jax.model import K3Model
 from k3jax.model.axes import axis_names
-from k3jax.model.vision import VisionTower, insert_features, param_counts
+from k3jax.model.vision import Projector, VisionTower, insert_features, param_counts
 from k3jax.model.vision_pos import (grid_embedding, line_embedding, pack, patchify,
-                                    patchify_video)
+                                    patchify_video, rope_2d)
 
 P, M, TP, G = 2, 2, 2, 4   # patch px, merge, temporal pool, position grid of the test tower
 N, MEDIA = 96, 4           # packed buffer: patches, items
@@ -187,9 +187,11 @@ def test_full_tower_parameter_count():
   per_layer = v.width * 3 * inner + inner * v.width + 2 * v.width * v.mlp_dim + 2 * v.width
   tower = (v.num_layers * per_layer + 3 * v.patch_size**2 * v.width
            + v.pos_grid**2 * v.width + v.width)
-  projector = 4 * v.width + 4 * v.width * m.d_model
+  merged = 4 * v.width   # the released projector: merged -> merged -> d_model, then its norm
+  projector = merged * merged + merged * m.d_model + m.d_model
   assert sizes == param_counts(m) == {"tower": tower, "projector": projector}
   assert abs(tower / 401e6 - 1) < 2e-3, tower
+  assert projector == 46_144_512
   # Every matrix is a Muon matrix (q/k/v per head), every axis has a known logical name.
   known = {"embed", "heads", "head_dim", "mlp", "layers", None}
   for path, p in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -251,7 +253,11 @@ def test_model_builds_the_tower_and_embeds_images():
     ("model.vision.pos_emb", "sincos", "model.vision.pos_emb"),
     ("model.vision.max_patches", 1_002, "multiple of merge\\*\\*2 \\* temporal_pool = 8"),
     ("model.vision.width", 0, "model.vision.width"),
-    ("model.vision.projector_hidden", -1, "model.vision.projector_hidden"),
+    ("model.vision.projector_hidden", -2, "model.vision.projector_hidden"),
+    ("model.vision.projector_norm", "both", "model.vision.projector_norm"),
+    ("model.vision.projector_act", "relu", "model.vision.projector_act"),
+    ("model.vision.norm_eps", 0.0, "model.vision.norm_eps"),
+    ("model.vision.head_dim", 126, "2-D RoPE .* 126 is not a multiple of 4"),
     ("model.vision.placeholder_id", 163_840, "vocab_size=163840"),
     ("mesh.tensor", 8, "model.vision.num_heads=12"),
 ])
@@ -269,3 +275,63 @@ def test_small_vocabulary_needs_its_own_placeholder():
   c.model.vision.enabled = True
   with pytest.raises(k3config.ConfigError, match="model.vision.placeholder_id"):
     k3config.validate(c)
+
+
+def test_rope_2d_vs_complex_numpy():
+  """The released tower's 2-D RoPE written with NumPy complex numbers: per head, channel
+  pairs (2i, 2i + 1) as one complex number times exp(i angle), the angles
+  [col f_0, row f_0, col f_1, row f_1, ...] with f_j = theta^(-4j / D)."""
+  n, h, d, theta = 7, 3, 16, 10_000.0
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((n, h, d)).astype(np.float32)
+  rows, cols = rng.integers(0, 40, n), rng.integers(0, 40, n)
+  f = theta ** (-4.0 * np.arange(d // 4) / d)
+  angle = np.stack([cols[:, None] * f, rows[:, None] * f], -1).reshape(n, 1, d // 2)
+  want = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * angle)
+  got = np.asarray(rope_2d(jnp.asarray(x), jnp.asarray(rows), jnp.asarray(cols), theta))
+  np.testing.assert_allclose(got[..., 0::2], want.real, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[..., 1::2], want.imag, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_2d_scores_depend_on_relative_places_only():
+  """q . k after the RoPE is the same for every pair of patches the same (rows, cols)
+  apart, and changes when the offset does (by row or by column)."""
+  rng = np.random.default_rng(1)
+  q, k = (jnp.asarray(rng.standard_normal((1, 2, 32)), jnp.float32) for _ in range(2))
+
+  def score(rq, cq, rk, ck):
+    a = rope_2d(q, jnp.array([rq]), jnp.array([cq]))
+    b = rope_2d(k, jnp.array([rk]), jnp.array([ck]))
+    return np.asarray(jnp.sum(a * b, axis=-1))
+
+  base = score(3, 5, 1, 2)
+  np.testing.assert_allclose(score(13, 25, 11, 22), base, rtol=1e-4, atol=1e-5)
+  assert not np.allclose(score(4, 5, 1, 2), base, atol=1e-3)   # another row offset
+  assert not np.allclose(score(3, 6, 1, 2), base, atol=1e-3)   # another column offset
+
+
+@pytest.mark.parametrize("norm,act", [("post", "gelu"), ("pre", "gelu_tanh")])
+def test_projector_forms_vs_numpy(norm, act):
+  """"post" + "gelu" (the release): RMSNorm(W_2 gelu_erf(W_1 z)); "pre" + "gelu_tanh":
+  W_2 gelu_tanh(W_1 RMSNorm(z)). RMSNorm(x) = x / sqrt(mean x^2 + eps) * gain."""
+  from math import erf  # noqa: PLC0415
+  dim, hid, out, eps = 8, 12, 6, 1e-5
+  proj = Projector(dim, hid, out, norm=norm, act=act, eps=eps, dtype=jnp.float32,
+                   param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(2)
+  proj.norm.weight[...] = jnp.asarray(1 + 0.1 * rng.standard_normal(proj.norm.weight.shape))
+  z = rng.standard_normal((5, dim))
+  w1, w2 = (np.asarray(w.kernel[...], np.float64) for w in (proj.w1, proj.w2))
+  gain = np.asarray(proj.norm.weight[...], np.float64)
+
+  def rms(x):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * gain
+
+  def gelu(x):
+    if act == "gelu":
+      return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+  want = rms(gelu(z @ w1) @ w2) if norm == "post" else gelu(rms(z) @ w1) @ w2
+  got = np.asarray(proj(jnp.asarray(z, jnp.float32)))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)

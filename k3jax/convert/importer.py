@@ -8,8 +8,9 @@ devices from reads of only the rows each process holds (`stream.assemble`).
 whose step 0 holds (params, rest) and the config) that `k3jax.train` starts from with
 `--config.train.init_from=DIR`.
 
-The vision tower and projector (`vision_tower.*`, `mm_projector.*`) are not read: k3jax's
-MoonViT-V2 does not yet compute the release's (2-D RoPE, projector form).
+The vision tower and projector (`vision_tower.*`, `mm_projector.*`) are not read yet:
+`layout` does not bind them to k3jax's tower (which computes the release's 2-D RoPE,
+projector and norms since `vision.rope_2d` / `projector_*` / `norm_eps`).
 """
 
 from __future__ import annotations

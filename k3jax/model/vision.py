@@ -5,25 +5,29 @@
   x     = RMSNorm(x)                                                            [N, width]
   z     = merge(x)                     m x m window -> concat (row-major)       [K, m*m*width]
   z     = mean over the temporal_pool windows of one video token (images: itself)
-  y     = projector(z)                 RMSNorm + Dense (or an MLP with GELU-tanh) [K, d_model]
+  y     = RMSNorm(W_2 gelu(W_1 z))     the projector, as released            [K, d_model]
 
   Block(x) = x + Attn(RMSNorm(x)); x + W_2 gelu_tanh(W_1 RMSNorm(x))
-  Attn     = softmax(q k^T / sqrt(head_dim), same item) v W_o, heads x head_dim (12 x 128 in
-             K3: inner 1536, wider than the 1024 width), no biases anywhere.
+  Attn     = softmax(rope(q) rope(k)^T / sqrt(head_dim), same item) v W_o, heads x head_dim
+             (12 x 128 in K3: inner 1536, wider than the 1024 width), no biases anywhere;
+             rope: 2-D rotary positions by (row, col) in the frame (`vision_pos.rope_2d`).
+
+The released K3 fixes what K3_SPEC leaves open: the 2-D RoPE, the projector's form (hidden
+as wide as its input, exact GELU, RMSNorm after; `vision.projector_*` give the other forms)
+and the tower norms' eps (`vision.norm_eps`: torch's RMSNorm default in bf16).
 
 Inputs are PackedMedia (`vision_pos`: several images and videos of any size packed into
 one fixed-shape buffer of N patches, NaViT-style; segment ids confine attention to an
 item). K = N // merge**2 output rows: the tokens of the items in order, then zeros.
 `insert_features` writes them over the placeholder tokens of a text embedding.
 
-Not in the spec and left out: rotary positions inside the tower (MoonViT v1 had 2-D RoPE
-besides its interpolated table); the tower is from scratch (no contrastive init).
+The tower is trained from scratch here (no contrastive init).
 
 Parameter count of K3's tower (27 layers, width 1024, 12 x 128, MLP 4096, patch 14, a 64 x 64
 position grid): 27 x 14,682,112 (q, k, v, o, MLP, two norms) + 602,112 (patch embedding) +
 4,194,304 (position table) + 1,024 (final norm) = 401,214,464 -- the ~401M quoted for
-MoonViT-V2, which is therefore the tower without the projector. The projector to K3's width
-adds 4,096 (norm) + 4,096 x 7,168 = 29,364,224 (431M with it); `param_counts` gives both.
+MoonViT-V2, which is therefore the tower without the projector. The released projector adds
+4,096 x 4,096 + 4,096 x 7,168 + 7,168 (norm) = 46,144,512; `param_counts` gives both.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from flax import nnx
 from k3jax.model import axes, layers
 from k3jax.model.axes import constrain
 from k3jax.model.layers import Dense, RMSNorm
-from k3jax.model.vision_pos import (PackedMedia, grid_embedding, line_embedding,
+from k3jax.model.vision_pos import (PackedMedia, grid_embedding, line_embedding, rope_2d,
                                     sincos_embedding)
 from pallas_kernels import attention as attention_ops
 
@@ -69,6 +73,7 @@ class VisionBlock(nnx.Module):
     shape, dense = (v.num_heads, v.head_dim), dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     self.scale = v.head_dim ** -0.5
     self.backend = v.attention
+    self.rope_theta = v.rope_theta if v.rope_2d else None
     self.attn_norm = RMSNorm(v.width, eps=eps, param_dtype=param_dtype, rngs=rngs)
     self.wq = Dense(v.width, shape, ("embed", "heads", "head_dim"), muon="per_head", **dense)
     self.wk = Dense(v.width, shape, ("embed", "heads", "head_dim"), muon="per_head", **dense)
@@ -79,9 +84,12 @@ class VisionBlock(nnx.Module):
     self.w2 = Dense(v.mlp_dim, v.width, ("mlp", "embed"), **dense)
     self.dtype = dtype
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array, coords: jax.Array) -> jax.Array:
+    """coords [N, 3] int: each patch's (frame, row, col), for the 2-D RoPE."""
     h = self.attn_norm(x)
     q, k, v = (constrain(w(h), NHD) for w in (self.wq, self.wk, self.wv))
+    if self.rope_theta is not None:
+      q, k = (rope_2d(a, coords[:, 1], coords[:, 2], self.rope_theta) for a in (q, k))
     o = constrain(segment_attention(q, k, v, segment_ids, self.scale, self.backend), NHD)
     x = constrain(x + self.wo(o), NE)
     u = constrain(self.w1(self.mlp_norm(x)), ("batch", "mlp"))
@@ -90,14 +98,17 @@ class VisionBlock(nnx.Module):
 
 
 class Projector(nnx.Module):
-  """Merged features [K, m*m*width] -> [K, d_model]: RMSNorm, then one Dense (hidden = 0,
-  K3_SPEC's "1024*4 -> 7168") or Dense -> GELU-tanh -> Dense (hidden > 0)."""
+  """Merged features [K, dim] -> [K, out]. hidden > 0: Dense -> GELU -> Dense through
+  `hidden` (act "gelu": exact erf, "gelu_tanh": tanh form); hidden = 0: one Dense. RMSNorm on
+  the output (norm "post", the released K3's) or on the input ("pre")."""
 
-  def __init__(self, dim: int, hidden: int, out: int, *, eps: float, dtype, param_dtype,
-               rngs: nnx.Rngs):
+  def __init__(self, dim: int, hidden: int, out: int, *, norm: str, act: str, eps: float,
+               dtype, param_dtype, rngs: nnx.Rngs):
     dense = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-    self.norm = RMSNorm(dim, None, eps=eps, param_dtype=param_dtype, rngs=rngs)
-    self.hidden = hidden
+    self.post = norm == "post"
+    self.norm = (RMSNorm(out, "embed", eps=eps, param_dtype=param_dtype, rngs=rngs) if self.post
+                 else RMSNorm(dim, None, eps=eps, param_dtype=param_dtype, rngs=rngs))
+    self.hidden, self.tanh = hidden, act == "gelu_tanh"
     if hidden:
       self.w1 = Dense(dim, hidden, (None, "mlp"), **dense)
       self.w2 = Dense(hidden, out, ("mlp", "embed"), **dense)
@@ -105,11 +116,14 @@ class Projector(nnx.Module):
       self.w = Dense(dim, out, (None, "embed"), **dense)
 
   def __call__(self, z: jax.Array) -> jax.Array:
-    z = self.norm(z)
-    if not self.hidden:
-      return self.w(z)
-    u = jax.nn.gelu(self.w1(z).astype(jnp.float32), approximate=True)
-    return self.w2(u.astype(z.dtype))
+    if not self.post:
+      z = self.norm(z)
+    if self.hidden:
+      u = jax.nn.gelu(self.w1(z).astype(jnp.float32), approximate=self.tanh)
+      y = self.w2(u.astype(z.dtype))
+    else:
+      y = self.w(z)
+    return self.norm(y) if self.post else y
 
 
 class VisionTower(nnx.Module):
@@ -119,8 +133,9 @@ class VisionTower(nnx.Module):
   def __init__(self, cfg_model, *, rngs: nnx.Rngs):
     v = cfg_model.vision
     dtype, pdt = jnp.dtype(cfg_model.dtype), jnp.dtype(cfg_model.param_dtype)
-    eps = cfg_model.norm_eps
+    eps = v.norm_eps
     self.width, self.merge, self.temporal_pool = v.width, v.merge, v.temporal_pool
+    merged = v.merge * v.merge * v.width
     self.pos_emb, self.dtype = v.pos_emb, dtype
     pixels = v.patch_size * v.patch_size * 3
     self.patch_embed = Dense(pixels, v.width, (None, "embed"), rngs=rngs, dtype=dtype,
@@ -140,9 +155,9 @@ class VisionTower(nnx.Module):
 
     self.blocks = make_blocks(rngs)
     self.final_norm = RMSNorm(v.width, eps=eps, param_dtype=pdt, rngs=rngs)
-    self.projector = Projector(v.merge * v.merge * v.width, v.projector_hidden,
-                               cfg_model.d_model, eps=eps, dtype=dtype, param_dtype=pdt,
-                               rngs=rngs)
+    self.projector = Projector(merged, projector_width(v), cfg_model.d_model,
+                               norm=v.projector_norm, act=v.projector_act,
+                               eps=cfg_model.norm_eps, dtype=dtype, param_dtype=pdt, rngs=rngs)
 
   def positions(self, media: PackedMedia) -> jax.Array:
     """The position embedding of every patch [N, width] fp32 (padding patches read item 1's
@@ -164,7 +179,7 @@ class VisionTower(nnx.Module):
     graphdef, state = nnx.split(self.blocks)
 
     def body(x, block_state):
-      return nnx.merge(graphdef, block_state)(x, media.segment_ids), None
+      return nnx.merge(graphdef, block_state)(x, media.segment_ids, media.coords), None
 
     x, _ = jax.lax.scan(body, x, state)
     return self.final_norm(x)
@@ -196,6 +211,11 @@ def insert_features(embeds: jax.Array, tokens: jax.Array, features: jax.Array,
   return jnp.where((is_ph & (k < features.shape[0]))[..., None], rows, embeds)
 
 
+def projector_width(v) -> int:
+  """The projector's hidden width from `vision.projector_hidden` (-1: its input's)."""
+  return v.merge * v.merge * v.width if v.projector_hidden == -1 else v.projector_hidden
+
+
 def param_counts(cfg_model) -> dict[str, int]:
   """{"tower", "projector"} parameter counts of `cfg_model.vision`, analytically."""
   v = cfg_model.vision
@@ -203,7 +223,7 @@ def param_counts(cfg_model) -> dict[str, int]:
   block = 4 * v.width * inner + 2 * v.width * v.mlp_dim + 2 * v.width
   pos = v.pos_grid * v.width * (v.pos_grid if v.pos_emb == "grid" else 2)
   tower = v.num_layers * block + v.patch_size ** 2 * 3 * v.width + pos + v.width
-  merged = v.merge * v.merge * v.width
-  h = v.projector_hidden
-  projector = merged + (merged * h + h * cfg_model.d_model if h else merged * cfg_model.d_model)
+  merged, h, d = v.merge * v.merge * v.width, projector_width(v), cfg_model.d_model
+  norm = d if v.projector_norm == "post" else merged
+  projector = norm + (merged * h + h * d if h else merged * d)
   return {"tower": tower, "projector": projector}

@@ -233,3 +233,20 @@ def sincos_embedding(pos: jax.Array, dim: int, base: float = 10_000.0) -> jax.Ar
   angle = pos.astype(jnp.float32)[:, None] * freq[None, :]
   out = jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], axis=-1)
   return jnp.pad(out, ((0, 0), (0, dim - 2 * half)))
+
+
+def rope_2d(x: jax.Array, rows: jax.Array, cols: jax.Array, theta: float = 10_000.0) -> jax.Array:
+  """2-D rotary positions, as the released K3's tower applies them to q and k: x [N, H, D]
+  (D a multiple of 4), rows, cols [N] int (a patch's place in its frame) -> [N, H, D] in
+  x's dtype. Channels (2i, 2i + 1) are one complex number, turned by the angle
+  col * f_{i/2} for even i and row * f_{(i-1)/2} for odd i, f_j = theta ** (-4j / D):
+  column and row take the D / 4 frequencies in turn. fp32 maths."""
+  n, h, d = x.shape
+  freq = theta ** (-4.0 * jnp.arange(d // 4, dtype=jnp.float32) / d)             # [D/4]
+  angle = jnp.stack([cols.astype(jnp.float32)[:, None] * freq,
+                     rows.astype(jnp.float32)[:, None] * freq], axis=-1).reshape(n, 1, d // 2)
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  pairs = x.astype(jnp.float32).reshape(n, h, d // 2, 2)
+  re, im = pairs[..., 0], pairs[..., 1]
+  out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
+  return out.reshape(n, h, d).astype(x.dtype)
