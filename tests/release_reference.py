@@ -132,12 +132,17 @@ def moe(x, t, p, c):
   return linear(u, t[s + "routed_expert_up_proj.weight"]) + mlp(x, t, s + "shared_experts.", c)
 
 
-def logits(t: dict, c: dict, tokens: np.ndarray, *, lora_eps: float = 1e-6) -> np.ndarray:
+def logits(t: dict, c: dict, tokens: np.ndarray, *, lora_eps: float = 1e-6,
+           image: tuple | None = None) -> np.ndarray:
   """[T, vocab] float64. lora_eps: the MLA q/kv LoRA norms' epsilon (the release's modeling
-  code builds them with its RMSNorm default, 1e-6; the engines use rms_norm_eps)."""
+  code builds them with its RMSNorm default, 1e-6; the engines use rms_norm_eps).
+  image: (placeholder id, features [K, d]) written over the placeholder tokens in order."""
   eps, block = c["rms_norm_eps"], c["attn_res_block_size"]
   mla_layers = set(c["linear_attn_config"]["full_attn_layers"])
   prefix = np.asarray(t["language_model.model.embed_tokens.weight"], np.float64)[tokens]
+  if image is not None:
+    placeholder, features = image
+    prefix[tokens == placeholder] = features[:int(np.sum(tokens == placeholder))]
   banked = []
   for layer in range(c["num_hidden_layers"]):
     p = LAYER.format(layer)
@@ -157,3 +162,71 @@ def logits(t: dict, c: dict, tokens: np.ndarray, *, lora_eps: float = 1e-6) -> n
                t["language_model.model.output_attn_res_norm.weight"], eps)
   h = rms_norm(h, t["language_model.model.norm.weight"], eps)
   return linear(h, t["language_model.lm_head.weight"])
+
+
+# The vision tower (MoonViT3d as released) and its projector, for one image.
+
+def gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def gelu_erf(x):
+  from math import erf  # noqa: PLC0415
+  return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+
+
+def resize_bilinear(table, h, w):
+  """torch's F.interpolate(mode="bilinear", align_corners=False) of [G, G, D] to [h, w, D]."""
+  def taps(n_out, n_in):
+    src = np.maximum((np.arange(n_out) + 0.5) * n_in / n_out - 0.5, 0.0)
+    i0 = np.floor(src).astype(int)
+    i1 = np.where(i0 < n_in - 1, i0 + 1, i0)
+    return i0, i1, src - i0
+  y0, y1, fy = taps(h, table.shape[0])
+  x0, x1, fx = taps(w, table.shape[1])
+  fy, fx = fy[:, None, None], fx[None, :, None]
+  t = np.asarray(table, np.float64)
+  return ((1 - fy) * ((1 - fx) * t[y0][:, x0] + fx * t[y0][:, x1])
+          + fy * ((1 - fx) * t[y1][:, x0] + fx * t[y1][:, x1]))
+
+
+def rope2d(x, h, w, theta=10_000.0):
+  """x [h*w, heads, D], positions row-major: channel pairs as complex numbers turned by
+  [col f_0, row f_0, col f_1, ...], f_j = theta^(-4j/D)."""
+  n, _, d = x.shape
+  pos = np.arange(n)
+  col, row = pos % w, pos // w
+  f = theta ** (-4.0 * np.arange(d // 4) / d)
+  angle = np.stack([col[:, None] * f, row[:, None] * f], -1).reshape(n, 1, d // 2)
+  z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * angle)
+  out = np.empty_like(x)
+  out[..., 0::2], out[..., 1::2] = z.real, z.imag
+  return out
+
+
+def image_features(t: dict, image: np.ndarray, *, patch: int, heads: int, block_eps: float,
+                   projector_eps: float) -> np.ndarray:
+  """image [H, W, 3] (H, W multiples of 2 * patch) -> features [H W / (2 patch)^2, d]."""
+  h, w = image.shape[0] // patch, image.shape[1] // patch
+  pix = image.reshape(h, patch, w, patch, 3).transpose(0, 2, 4, 1, 3).reshape(h * w, -1)
+  conv = np.asarray(t["vision_tower.patch_embed.proj.weight"], np.float64)   # [D, 3, P, P]
+  x = pix @ conv.reshape(conv.shape[0], -1).T
+  x = x + resize_bilinear(t["vision_tower.patch_embed.pos_emb.weight"], h, w).reshape(h * w, -1)
+  n, i = h * w, 0
+  while f"vision_tower.encoder.blocks.{i}.wqkv.weight" in t:
+    b = f"vision_tower.encoder.blocks.{i}."
+    qkv = linear(rms_norm(x, t[b + "norm0.weight"], block_eps), t[b + "wqkv.weight"])
+    q, k, v = (a.reshape(n, heads, -1) for a in np.split(qkv, 3, axis=-1))
+    q, k = rope2d(q, h, w), rope2d(k, h, w)
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    x = x + linear(np.einsum("hqk,khd->qhd", p, v).reshape(n, -1), t[b + "wo.weight"])
+    u = linear(rms_norm(x, t[b + "norm1.weight"], block_eps), t[b + "mlp.fc0.weight"])
+    x = x + linear(gelu_tanh(u), t[b + "mlp.fc1.weight"])
+    i += 1
+  x = rms_norm(x, t["vision_tower.encoder.final_layernorm.weight"], block_eps)
+  merged = x.reshape(h // 2, 2, w // 2, 2, -1).transpose(0, 2, 1, 3, 4).reshape(n // 4, -1)
+  y = linear(gelu_erf(linear(merged, t["mm_projector.proj.0.weight"])),
+             t["mm_projector.proj.2.weight"])
+  return rms_norm(y, t["mm_projector.post_norm.weight"], projector_eps)

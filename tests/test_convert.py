@@ -24,16 +24,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = ["--config=experiments/k3_tiny.py", "--config.model.kda.gate_rank=32"]
 
 
-def tiny_model():
+def tiny_model(variant=None):
   sys.path.insert(0, os.path.join(ROOT, "experiments"))
   import k3_tiny  # noqa: PLC0415
-  m = k3_tiny.get_config().model
+  m = k3_tiny.get_config(variant).model
   m.kda.gate_rank = 32
   return m
 
 
-def release_dir(path):
-  m = tiny_model()
+def write_release(path, m):
+  """A release directory of random parameters of model config `m`, by the exporter."""
   state = nnx.state(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))))
   rng = np.random.default_rng(0)
   params = {}
@@ -42,6 +42,12 @@ def release_dir(path):
         0.1 * rng.standard_normal(leaf.shape).astype(np.float32))
   exporter.export_release(m, lambda p, c: params[p] if c is None else params[p][c], path,
                           log=lambda msg: None)
+
+
+def release_dir(path):
+  """A text model's release, plus one vision tensor a text-only import must skip."""
+  m = tiny_model()
+  write_release(path, m)
   vision = os.path.join(path, "model-vision.safetensors")
   st.write(vision, {"vision_tower.encoder.final_layernorm.weight": np.ones(8, ml_dtypes.bfloat16)})
   index = json.load(open(os.path.join(path, st.INDEX)))
@@ -94,6 +100,26 @@ def test_import_train_export(tmp_path):
           mxfp4.dequantize(st.read(before[name]), st.read(before[scale])))
   assert json.load(open(os.path.join(out, "config.json"))) == json.load(
       open(os.path.join(hf, "config.json")))
+
+
+def test_import_export_with_the_tower(tmp_path):
+  """k3_tiny:multimodal's tower and projector in the release's layout (vision_config, the
+  vision shard): imported with the text model and exported to the same bytes and config."""
+  hf, weights, out = (str(tmp_path / n) for n in ("hf", "weights", "out"))
+  m = tiny_model("multimodal")
+  write_release(hf, m)
+  config = [f"{CONFIG[0]}:multimodal", *CONFIG[1:]]
+  got = run("k3jax.convert", "import", f"--hf_dir={hf}", f"--workdir={weights}", *config)
+  assert "not read" not in got.stdout
+  run("k3jax.convert", "export", f"--workdir={weights}", f"--out={out}", *config)
+  before, after = tensors(hf), tensors(out)
+  vision = {n for n in before if n.startswith(("vision_tower.", "mm_projector."))}
+  assert len(vision) == 6 + 6 * m.vision.num_layers and set(before) == set(after)
+  for name in vision:
+    assert st.read(after[name]).tobytes() == st.read(before[name]).tobytes(), name
+  written = json.load(open(os.path.join(hf, "config.json")))
+  assert written["vision_config"]["vt_hidden_size"] == m.vision.width
+  assert json.load(open(os.path.join(out, "config.json"))) == written
 
 
 def damage(hf, how):

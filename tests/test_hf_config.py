@@ -28,7 +28,18 @@ RELEASE = {"model_type": "kimi_k3", "text_config": {
     "linear_attn_config": {"full_attn_layers": FULL,
                            "kda_layers": [i for i in range(1, 94) if i not in FULL],
                            "num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
-                           "gate_lower_bound": -5.0, "use_full_rank_gate": True}}}
+                           "gate_lower_bound": -5.0, "use_full_rank_gate": True}},
+    "vision_config": {
+        "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64,
+        "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed",
+        "pos_emb_interpolation_mode": "bilinear", "vt_num_attention_heads": 12,
+        "vt_num_hidden_layers": 27, "vt_hidden_size": 1_024, "vt_intermediate_size": 4_096,
+        "qkv_hidden_size": 1_536, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+        "mm_projector_type": "patchmergerv2", "mm_hidden_size": None,
+        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5, "norm_type": "rmsnorm",
+        "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
+        "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh", "text_hidden_size": 7_168,
+        "_attn_implementation": "flash_attention_2"}}
 
 
 def test_the_release_is_k3_full():
@@ -36,6 +47,7 @@ def test_the_release_is_k3_full():
   want = load("k3_full")
   got = hf_config.apply(load("k3_full"), RELEASE)
   assert got.model.to_dict() == want.model.to_dict()
+  assert hf_config.vision_fields(RELEASE)["vision.head_dim"] == 128
   fields = hf_config.model_fields(RELEASE)
   assert fields["mla_every"] == 4 and fields["final_mla"] and fields["kda.gate_rank"] == 128
 
@@ -95,3 +107,35 @@ def test_an_irregular_mla_pattern_is_refused():
       if i not in config["text_config"]["linear_attn_config"]["full_attn_layers"]]
   with pytest.raises(ConfigError, match="are not the multiples of 3"):
     hf_config.model_fields(config)
+
+
+def test_the_vision_config_written_back_is_the_releases():
+  """k3_full's tower as a vision_config: the release's value for every field (but the
+  attention implementation, a serving choice)."""
+  v = hf_config.vision_config(load("k3_full").model)
+  want = {k: x for k, x in RELEASE["vision_config"].items() if k != "_attn_implementation"}
+  assert v == want
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("merge_kernel_size", [2, 3], "merge_kernel_size: \\[2, 3\\]: k3jax merges square"),
+    ("projector_hidden_act", "relu", "projector_hidden_act: 'relu'"),
+    ("vt_hidden_size", KeyError, "vision_config.vt_hidden_size: missing"),
+    ("qkv_hidden_size", 1_000, "1000 does not split into 12 heads"),
+    ("projector_ln_eps", 1e-6, "projector_ln_eps"),
+])
+def test_what_the_tower_cannot_express_is_named(name, value, match):
+  config = copy.deepcopy(RELEASE)
+  if value is KeyError:
+    del config["vision_config"][name]
+  else:
+    config["vision_config"][name] = value
+  with pytest.raises(ConfigError, match=match):
+    hf_config.vision_fields(config)
+
+
+def test_a_tower_of_another_form_is_not_written_as_the_releases():
+  m = load("k3_full").model
+  m.vision.projector_norm = "pre"
+  with pytest.raises(ConfigError, match="model.vision.projector_norm='pre'"):
+    hf_config.vision_config(m)

@@ -141,6 +141,36 @@ def test_parameters_become_the_release_tensors_and_come_back(tmp_path):
                                     mxfp4.dequantize(release[name], release[scale]))
 
 
+def release_arrays(m):
+  """The release's tensors of random parameters of `m`, as fp32 (MXFP4 dequantized, under
+  the packed name)."""
+  release = dict(layout.tensors(m, getter(random_params(m))))
+  arrays = {}
+  for name, a in release.items():
+    if name.endswith("weight_packed"):
+      arrays[name] = mxfp4.dequantize(a, release[name.replace("_packed", "_scale")])
+    elif not name.endswith("weight_scale"):
+      arrays[name] = np.asarray(a, np.float32)
+  return arrays
+
+
+def model_from_release(m, arrays):
+  """K3Model of config `m` with every parameter read from `arrays` through layout.sources."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  def source(name):   # (an MXFP4 weight's scales: already in its dequantized array)
+    a = arrays.get(name)
+    return lambda box: a if box is None else a[tuple(slice(x, y) for x, y in box)]
+
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0))))
+  flat = nnx.to_flat_state(state)
+  loaded = layout.sources(m, source)
+  for path, var in flat:
+    key = "/".join(map(str, path))
+    var.set_value(jnp.asarray(loaded[key](tuple((0, n) for n in var.get_value().shape))))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
 def test_imported_weights_compute_what_the_release_computes():
   """The k3jax model given the release's tensors (through layout.sources) = the release's
   equations in float64 NumPy (tests/release_reference.py, written from the engines, not
@@ -152,29 +182,95 @@ def test_imported_weights_compute_what_the_release_computes():
   from k3jax.convert import hf_config  # noqa: PLC0415
   m = small()
   m.dtype, m.moe.dispatch, m.mla.attention = "float32", "dropless", "dense"
-  release = dict(layout.tensors(m, getter(random_params(m))))
-  arrays = {}
-  for name, a in release.items():
-    if name.endswith("weight_packed"):
-      arrays[name] = mxfp4.dequantize(a, release[name.replace("_packed", "_scale")])
-    elif not name.endswith("weight_scale"):
-      arrays[name] = np.asarray(a, np.float32)
-
-  def source(name):
-    a = arrays.get(name)
-    return lambda box: a if box is None else a[tuple(slice(x, y) for x, y in box)]
-
-  model = nnx.eval_shape(lambda: K3Model(m, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(model)
-  flat = nnx.to_flat_state(state)
-  loaded = layout.sources(m, source)
-  for path, var in flat:
-    key = "/".join(map(str, path))
-    var.set_value(jnp.asarray(loaded[key](tuple((0, n) for n in var.get_value().shape))))
-  model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  arrays = release_arrays(m)
+  model = model_from_release(m, arrays)
   tokens = np.random.default_rng(5).integers(0, m.vocab_size, 12)
   got, _ = model(jnp.asarray(tokens[None]), jnp.ones((1, 12), jnp.int32))
   config = hf_config.text_config(m, quantized=False)
   want = release_reference.logits(arrays, config, tokens)
   np.testing.assert_allclose(np.asarray(got[0], np.float64), want, rtol=1e-4,
                              atol=1e-4 * np.abs(want).max())
+
+
+def with_vision(m):
+  v = m.vision
+  v.enabled, v.attention = True, "dense"
+  v.num_layers, v.width, v.num_heads, v.head_dim, v.mlp_dim = 2, 16, 2, 8, 32
+  v.patch_size, v.pos_grid, v.max_patches, v.max_media, v.placeholder_id = 2, 4, 32, 2, 90
+  return m
+
+
+def test_vision_tensors_are_the_releases_and_come_back():
+  """With the tower on: the release's vision names, dtypes and shapes (the conv patch
+  embedding [width, 3, P, P], the fused wqkv, the projector's two layers and post norm), the
+  tower's parameters back from them (bf16-rounded), and the same bytes exported again."""
+  m = with_vision(small())
+  params = random_params(m)
+  assert set(params) == set(layout.bindings(m))
+  release = dict(layout.tensors(m, getter(params)))
+  vision = {k: (st.NAMES[a.dtype], a.shape) for k, a in release.items()
+            if k.startswith(("vision_tower.", "mm_projector."))}
+  b = "vision_tower.encoder.blocks."
+  assert vision == {
+      "vision_tower.patch_embed.proj.weight": ("BF16", (16, 3, 2, 2)),
+      "vision_tower.patch_embed.pos_emb.weight": ("BF16", (4, 4, 16)),
+      "vision_tower.encoder.final_layernorm.weight": ("BF16", (16,)),
+      "mm_projector.proj.0.weight": ("BF16", (64, 64)),
+      "mm_projector.proj.2.weight": ("BF16", (64, 64)),
+      "mm_projector.post_norm.weight": ("BF16", (64,)),
+      **{f"{b}{i}.{n}": ("BF16", shape) for i in range(2) for n, shape in (
+          ("norm0.weight", (16,)), ("norm1.weight", (16,)), ("wqkv.weight", (48, 16)),
+          ("wo.weight", (16, 16)), ("mlp.fc0.weight", (32, 16)), ("mlp.fc1.weight", (16, 32)))}}
+  # q, k, v of block 1, head 1 are rows 8-15 of their third of wqkv
+  wq = params["vision/blocks/wq/kernel"][1][:, 1, :]
+  wv = params["vision/blocks/wv/kernel"][1][:, 1, :]
+  qkv = np.asarray(release[f"{b}1.wqkv.weight"], np.float32)
+  np.testing.assert_array_equal(qkv[8:16], wq.T.astype(ml_dtypes.bfloat16).astype(np.float32))
+  np.testing.assert_array_equal(qkv[40:48], wv.T.astype(ml_dtypes.bfloat16).astype(np.float32))
+  arrays = {k: np.asarray(a, np.float32) for k, a in release.items()
+            if not k.endswith(("weight_packed", "weight_scale"))}
+  loaded = {p: src(tuple((0, n) for n in params[p].shape)) for p, src in
+            layout.sources(m, lambda n: (lambda box, a=arrays.get(n): a if box is None else
+                                         a[tuple(slice(x, y) for x, y in box)])).items()
+            if p.startswith("vision/")}
+  for p, got in loaded.items():
+    np.testing.assert_array_equal(got, params[p].astype(ml_dtypes.bfloat16).astype(np.float32),
+                                  err_msg=p)
+  again = dict(layout.tensors(m, getter({**params, **loaded})))
+  for name in vision:
+    assert again[name].tobytes() == release[name].tobytes(), name
+
+
+def test_imported_tower_sees_an_image_as_the_release_does():
+  """The k3jax model with the tower on, its parameters read from the release's tensors:
+  the features of a 12 x 8-pixel picture (6 x 4 patches of 2 px, 2-D RoPE, bilinear
+  positions from a 4 x 4 table, 2 x 2 merge, projector) equal the release's equations in
+  float64 NumPy (tests/release_reference.py) within 1e-4, and so do the logits of a text
+  whose six placeholders they replace."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  import release_reference  # noqa: PLC0415
+
+  from k3jax.convert import hf_config  # noqa: PLC0415
+  from k3jax.model.vision_pos import pack, patchify  # noqa: PLC0415
+  m = with_vision(small())
+  m.dtype, m.moe.dispatch, m.mla.attention = "float32", "dropless", "dense"
+  v = m.vision
+  arrays = release_arrays(m)
+  model = model_from_release(m, arrays)
+  image = np.random.default_rng(6).uniform(-1, 1, (12, 8, 3)).astype(np.float32)
+  media, counts = pack([patchify(image, patch_size=2, merge=2)], max_patches=v.max_patches,
+                       max_media=v.max_media, merge=v.merge, temporal_pool=v.temporal_pool)
+  assert counts == [6]
+  want = release_reference.image_features(arrays, image.astype(np.float64), patch=2,
+                                           heads=v.num_heads, block_eps=v.norm_eps,
+                                           projector_eps=m.norm_eps)
+  got = np.asarray(model.embed_images(media), np.float64)[:6]
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+  tokens = np.random.default_rng(7).integers(0, 80, 12)
+  tokens[3:9] = v.placeholder_id
+  logits, _ = model(jnp.asarray(tokens[None]), jnp.ones((1, 12), jnp.int32), media)
+  config = hf_config.text_config(m, quantized=False)
+  ref = release_reference.logits(arrays, config, tokens, image=(v.placeholder_id, want))
+  np.testing.assert_allclose(np.asarray(logits[0], np.float64), ref, rtol=1e-4,
+                             atol=1e-4 * np.abs(ref).max())

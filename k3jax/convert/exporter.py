@@ -1,7 +1,8 @@
 """k3jax parameters written in the released Kimi K3's layout: a Hugging Face directory the
 engines that load K3 read (config.json with its text_config and MXFP4 quantization block,
 `model-XXXXX-of-0000NN.safetensors` shards, the index). One shard per layer, as released,
-then one for the embeddings, final norm, AttnRes output query and LM head; each shard is
+then one for the embeddings, final norm, AttnRes output query and LM head, then (with
+`model.vision.enabled`) one for the vision tower and projector; each shard is
 written tensor by tensor and appears only when complete, the index last.
 """
 
@@ -23,14 +24,14 @@ def shard_name(k: int, n: int) -> str:
 
 def export_release(m, param: Callable[[str, int | None], np.ndarray], out_dir: str,
                    log: Callable[[str], None] = print) -> int:
-  """Writes the text model of config `m` (parameters from `param(path, c)`, as in
+  """Writes the model of config `m` (parameters from `param(path, c)`, as in
   `layout.tensors`) to `out_dir`; returns the bytes of tensor data."""
   os.makedirs(out_dir, exist_ok=True)
   groups = list(layout.groups(m))
   weight_map, total = {}, 0
-  for k, (label, rules, c) in enumerate(groups, start=1):
+  for k, (label, pairs) in enumerate(groups, start=1):
     name = shard_name(k, len(groups))
-    arrays = [(n, a) for rule in rules
+    arrays = [(n, a) for rule, c in pairs
               for n, a in zip(rule.names, rule.save([param(p, c) for p in rule.paths]))]
     total += safetensors.write(os.path.join(out_dir, name), dict(arrays),
                                metadata={"format": "pt"})
@@ -39,6 +40,9 @@ def export_release(m, param: Callable[[str, int | None], np.ndarray], out_dir: s
   config = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
             "tie_word_embeddings": False, "dtype": "bfloat16",
             "text_config": hf_config.text_config(m)}
+  if m.vision.enabled:
+    config.update(vision_config=hf_config.vision_config(m),
+                  media_placeholder_token_id=m.vision.placeholder_id)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   safetensors.write_index(out_dir, weight_map, total)

@@ -6,8 +6,10 @@ k3jax `model.` fields; anything k3jax's pattern cannot express (a layer pattern 
 ConfigError naming the release's field. `text_config` writes the fields back under the
 release's names and values, with its quantization block, so a k3jax config round-trips.
 
-Field names and meanings: the engines that load the release (sglang, vLLM, llama.cpp);
-the vision tower's fields are not mapped yet.
+`vision_fields` / `vision_config` do the same for the release's `vision_config` (MoonViT3d
+and its projector) and k3jax's `model.vision`.
+
+Field names and meanings: the engines that load the release (sglang, vLLM, llama.cpp).
 """
 
 from __future__ import annotations
@@ -56,8 +58,34 @@ QUANTIZATION = {
 }
 
 
-def _fail(field: str, msg: str):
-  raise ConfigError(f"config.json text_config.{field}: {msg}")
+VISION = {"patch_size": "vision.patch_size", "init_pos_emb_height": "vision.pos_grid",
+          "vt_num_attention_heads": "vision.num_heads", "vt_num_hidden_layers":
+          "vision.num_layers", "vt_hidden_size": "vision.width",
+          "vt_intermediate_size": "vision.mlp_dim"}
+# vision_config fields whose value k3jax's tower always has
+VISION_FIXED = {"pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
+                "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
+                "projector_hidden_act": "gelu", "norm_type": "rmsnorm", "attn_bias": False,
+                "linear_bias": False, "patch_embed_proj_bias": False, "mlp_type": "mlp2",
+                "activation_func": "gelu_pytorch_tanh", "init_pos_emb_time": 4}
+
+
+def _fail(field: str, msg: str, section: str = "text_config"):
+  raise ConfigError(f"config.json {section}.{field}: {msg}")
+
+
+def _read(section: dict, direct: dict, fixed: dict, label: str, what: str) -> dict[str, Any]:
+  """The `direct` fields of a config.json section as k3jax fields; ConfigError for one
+  missing, or for a `fixed` field of another value than k3jax's `what` computes."""
+  out: dict[str, Any] = {}
+  for name, field in direct.items():
+    if name not in section:
+      _fail(name, "missing", label)
+    out[field] = section[name]
+  for name, want in fixed.items():
+    if name in section and section[name] != want:
+      _fail(name, f"{section[name]!r}: k3jax's {what} computes {want!r} only", label)
+  return out
 
 
 def mla_layers(num_layers: int, every: int, final: bool) -> list[int]:
@@ -74,14 +102,7 @@ def model_fields(config: dict) -> dict[str, Any]:
   """{k3jax model field (dotted, below `model.`): value} of the release's config.json
   (top level or its text_config). ConfigError naming the field k3jax cannot express."""
   t = text_config_of(config)
-  out: dict[str, Any] = {}
-  for name, field in DIRECT.items():
-    if name not in t:
-      _fail(name, "missing")
-    out[field] = t[name]
-  for name, want in FIXED.items():
-    if name in t and t[name] != want:
-      _fail(name, f"{t[name]!r}: k3jax's model computes {want!r} only")
+  out = _read(t, DIRECT, FIXED, "text_config", "model")
   if t.get("num_key_value_heads", t["num_attention_heads"]) != t["num_attention_heads"]:
     _fail("num_key_value_heads", f"{t['num_key_value_heads']} != num_attention_heads "
           f"{t['num_attention_heads']}: MLA here has one key and value per head")
@@ -118,9 +139,57 @@ def model_fields(config: dict) -> dict[str, Any]:
   return out
 
 
+def vision_fields(config: dict) -> dict[str, Any]:
+  """{k3jax model field: value} of the release's top-level `vision_config` ({} without
+  one). ConfigError naming the field k3jax's tower cannot express."""
+  v = config.get("vision_config")
+  if v is None:
+    return {}
+  fail = lambda name, msg: _fail(name, msg, "vision_config")   # noqa: E731
+  out = _read(v, VISION, VISION_FIXED, "vision_config", "tower")
+  if v.get("init_pos_emb_width", v["init_pos_emb_height"]) != v["init_pos_emb_height"]:
+    fail("init_pos_emb_width", "k3jax's position table is square")
+  merge = v.get("merge_kernel_size", [2, 2])
+  if len(merge) != 2 or merge[0] != merge[1]:
+    fail("merge_kernel_size", f"{merge}: k3jax merges square windows")
+  heads = v["vt_num_attention_heads"]
+  inner = v.get("qkv_hidden_size", v["vt_hidden_size"])
+  if inner % heads:
+    fail("qkv_hidden_size", f"{inner} does not split into {heads} heads")
+  if v.get("mm_hidden_size") not in (None, v["vt_hidden_size"]):
+    fail("mm_hidden_size", "k3jax's projector reads the tower's width")
+  text = text_config_of(config)
+  if v.get("text_hidden_size", text.get("hidden_size")) != text.get("hidden_size"):
+    fail("text_hidden_size", "the projector must end at the text model's hidden_size")
+  if v.get("projector_ln_eps", text.get("rms_norm_eps")) != text.get("rms_norm_eps"):
+    fail("projector_ln_eps", "k3jax's projector norm uses the text model's rms_norm_eps")
+  out.update({"vision.head_dim": inner // heads, "vision.merge": merge[0],
+              "vision.pos_emb": "grid", "vision.rope_2d": True,
+              "vision.projector_hidden": -1, "vision.projector_norm": "post",
+              "vision.projector_act": "gelu"})
+  return out
+
+
+def vision_config(model: ml_collections.ConfigDict) -> dict:
+  """The release's vision_config for k3jax's tower (ConfigError for a form it lacks)."""
+  v = model.vision
+  try:
+    from k3jax.convert.vision_layout import check_release_form  # noqa: PLC0415
+    check_release_form(v)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+  out = {name: v[field.removeprefix("vision.")] for name, field in VISION.items()}
+  out.update(VISION_FIXED)
+  out.update(init_pos_emb_width=v.pos_grid, qkv_hidden_size=v.num_heads * v.head_dim,
+             merge_kernel_size=[v.merge, v.merge], mm_hidden_size=None,
+             projector_ln_eps=model.norm_eps, text_hidden_size=model.d_model)
+  return out
+
+
 def apply(cfg: ml_collections.ConfigDict, config: dict) -> ml_collections.ConfigDict:
-  """cfg with its `model.` fields set from the release's config.json."""
-  for field, value in model_fields(config).items():
+  """cfg with its `model.` fields set from the release's config.json (`model.vision`'s
+  too where it has a vision_config; whether the tower is built stays cfg's choice)."""
+  for field, value in {**model_fields(config), **vision_fields(config)}.items():
     node = cfg.model
     *path, last = field.split(".")
     for part in path:

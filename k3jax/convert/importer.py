@@ -8,9 +8,9 @@ devices from reads of only the rows each process holds (`stream.assemble`).
 whose step 0 holds (params, rest) and the config) that `k3jax.train` starts from with
 `--config.train.init_from=DIR`.
 
-The vision tower and projector (`vision_tower.*`, `mm_projector.*`) are not read yet:
-`layout` does not bind them to k3jax's tower (which computes the release's 2-D RoPE,
-projector and norms since `vision.rope_2d` / `projector_*` / `norm_eps`).
+The vision tower and projector (`vision_tower.*`, `mm_projector.*`) are read when the
+config builds the tower (`model.vision.enabled`, in the release's form:
+`vision_layout.check_release_form`); a text-only config skips them.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def check_tensors(m, infos: dict[str, safetensors.TensorInfo], hf_dir: str) -> N
       raise FormatError(f"{info.file}: tensor {name!r} is {safetensors.NAMES[info.dtype]} "
                         f"{list(info.shape)}; the model reads {safetensors.NAMES[dtype]} "
                         f"{list(shape)}")
-  unknown = sorted(n for n in infos if n not in want and not n.startswith(NOT_READ))
+  skip = () if m.vision.enabled else NOT_READ
+  unknown = sorted(n for n in infos if n not in want and not n.startswith(skip))
   if unknown:
     raise FormatError(f"{infos[unknown[0]].file}: tensor {unknown[0]!r} is not part of a K3 "
                       f"text model of this config ({len(unknown)} such tensors)")
@@ -72,7 +73,7 @@ def load_release(hf_dir: str, m, abstract: tuple, log: Callable[[str], None] = p
   their ShapeDtypeStructs with shardings (`program.build(...).abstract_state[:2]`)."""
   infos = read_headers(hf_dir)
   check_tensors(m, infos, hf_dir)
-  skipped = sum(n.startswith(NOT_READ) for n in infos)
+  skipped = 0 if m.vision.enabled else sum(n.startswith(NOT_READ) for n in infos)
   if skipped:
     log(f"import: {skipped} vision tower / projector tensors not read (text model only)")
 

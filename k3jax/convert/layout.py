@@ -1,4 +1,5 @@
-"""Where each k3jax parameter of the text model lives in the released Kimi K3 checkpoint.
+"""Where each k3jax parameter lives in the released Kimi K3 checkpoint (the vision tower's
+rules: `vision_layout`).
 
 `rules(model_cfg)` lists `Rule`s: a group of k3jax parameter paths (as `nnx.state` flattens
 them, "/"-joined; scanned cycles carry a leading axis of cycles) and the release tensors
@@ -290,6 +291,11 @@ def bindings(m) -> dict[str, Binding]:
         out.setdefault(path, ([], stacked))[0].append((rule, i))
 
   add(global_rules(m), False)
+  if m.vision.enabled:
+    vision = _vision()
+    add(vision.global_rules(m), False)
+    for i in range(m.vision.num_layers):
+      add(vision.block_rules(m, i), True)
   for i in range(plan.prefix):
     add(layer_rules(m, i, plan.mixers[i], plan.ffns[i], f"prefix/{i}/"), False)
   for c in range(plan.num_cycles):
@@ -322,8 +328,10 @@ def expected(m) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
 
 
 def groups(m):
-  """The release's tensor groups in its shard order: (label, rules, c) per layer (c: the
-  cycle index of a scanned layer's parameters, else None), then ("globals", rules, None)."""
+  """The release's tensor groups in its shard order, (label, [(rule, c), ...]) (c: the
+  index along a stacked parameter's leading axis, scanned cycle or vision block, else
+  None): each layer, the globals, then with `model.vision.enabled` the tower and
+  projector."""
   plan = layer_plan(m)
   for i in range(len(plan.mixers)):
     if i < plan.prefix:
@@ -333,13 +341,25 @@ def groups(m):
       path = f"cycles/layers/{j}/"
     else:
       path, c = f"suffix/{i - plan.prefix - plan.num_cycles * plan.cycle}/", None
-    yield f"layer {i}", layer_rules(m, i, plan.mixers[i], plan.ffns[i], path), c
-  yield "globals", global_rules(m), None
+    yield f"layer {i}", [(r, c) for r in layer_rules(m, i, plan.mixers[i], plan.ffns[i], path)]
+  yield "globals", [(r, None) for r in global_rules(m)]
+  if m.vision.enabled:
+    vision = _vision()
+    yield "vision", ([(r, None) for r in vision.global_rules(m)]
+                     + [(r, i) for i in range(m.vision.num_layers)
+                        for r in vision.block_rules(m, i)])
 
 
 def tensors(m, param: Callable[[str, int | None], np.ndarray]):
   """The release tensors (name, array), in shard order, of the k3jax parameters that
-  `param(path, c)` returns (c: the cycle of a stacked parameter, else None)."""
-  for _, rules, c in groups(m):
-    for rule in rules:
+  `param(path, c)` returns (c: the index along a stacked parameter's leading axis, else
+  None)."""
+  for _, pairs in groups(m):
+    for rule, c in pairs:
       yield from zip(rule.names, rule.save([param(p, c) for p in rule.paths]))
+
+
+def _vision():
+  """k3jax.convert.vision_layout (imported late: it builds its rules from this module)."""
+  from k3jax.convert import vision_layout  # noqa: PLC0415
+  return vision_layout
