@@ -136,7 +136,9 @@ def base_config() -> ml_collections.ConfigDict:
   v.mlp_dim = 4_096      # GELU-tanh MLP
   v.patch_size = 14      # pixels per side of a patch: patches of 14 x 14 x 3
   v.merge = 2            # m x m neighbouring patches are concatenated into one token
-  v.temporal_pool = 2    # video: this many consecutive frames are mean-pooled into one token
+  # video: this many consecutive frames are mean-pooled into one token (the release: 4, the
+  # frames its fixed time table covers, init_pos_emb_time; a chunk's frames are averaged)
+  v.temporal_pool = 4
   v.pos_emb = "grid"     # learned position table "grid" [G, G, width] or "factorized" [G] + [G]
   v.pos_grid = 64        # G: the table's base grid, interpolated bilinearly to each image
   v.max_patches = 16_384  # N: patches in one packed buffer (and most of one image); the data

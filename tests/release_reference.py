@@ -204,20 +204,34 @@ def rope2d(x, h, w, theta=10_000.0):
   return out
 
 
-def image_features(t: dict, image: np.ndarray, *, patch: int, heads: int, block_eps: float,
+def sincos_rows(n, dim, base=10_000.0):
+  """The release's fixed time embedding [n, dim]: [sin | cos] of base^(-2i / dim) * frame."""
+  angle = np.arange(n)[:, None] * base ** (-np.arange(dim // 2) / (dim // 2))[None, :]
+  return np.concatenate([np.sin(angle), np.cos(angle)], axis=-1)
+
+
+def media_features(t: dict, frames: np.ndarray, *, patch: int, heads: int, block_eps: float,
                    projector_eps: float) -> np.ndarray:
-  """image [H, W, 3] (H, W multiples of 2 * patch) -> features [H W / (2 patch)^2, d]."""
-  h, w = image.shape[0] // patch, image.shape[1] // patch
-  pix = image.reshape(h, patch, w, patch, 3).transpose(0, 2, 4, 1, 3).reshape(h * w, -1)
+  """frames [F, H, W, 3] (one image: F = 1; H, W multiples of 2 * patch) -> features
+  [H W / (2 patch)^2, d]: the frames' merged windows averaged over the F frames."""
+  f, h, w = frames.shape[0], frames.shape[1] // patch, frames.shape[2] // patch
+  pix = frames.reshape(f, h, patch, w, patch, 3).transpose(0, 1, 3, 5, 2, 4).reshape(f * h * w,
+                                                                                     -1)
   conv = np.asarray(t["vision_tower.patch_embed.proj.weight"], np.float64)   # [D, 3, P, P]
   x = pix @ conv.reshape(conv.shape[0], -1).T
-  x = x + resize_bilinear(t["vision_tower.patch_embed.pos_emb.weight"], h, w).reshape(h * w, -1)
-  n, i = h * w, 0
+  pos = resize_bilinear(t["vision_tower.patch_embed.pos_emb.weight"], h, w).reshape(h * w, -1)
+  pos = np.tile(pos[None], (f, 1, 1))
+  if f > 1:
+    pos = pos + sincos_rows(f, pos.shape[-1])[:, None, :]
+  x = x + pos.reshape(f * h * w, -1)
+  n, i = f * h * w, 0
   while f"vision_tower.encoder.blocks.{i}.wqkv.weight" in t:
     b = f"vision_tower.encoder.blocks.{i}."
     qkv = linear(rms_norm(x, t[b + "norm0.weight"], block_eps), t[b + "wqkv.weight"])
-    q, k, v = (a.reshape(n, heads, -1) for a in np.split(qkv, 3, axis=-1))
-    q, k = rope2d(q, h, w), rope2d(k, h, w)
+    q, k, v = (a.reshape(f, h * w, heads, -1) for a in np.split(qkv, 3, axis=-1))
+    q, k = (np.stack([rope2d(a[j], h, w) for j in range(f)]).reshape(n, heads, -1)
+            for a in (q, k))
+    v = v.reshape(n, heads, -1)
     s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1])
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -226,7 +240,7 @@ def image_features(t: dict, image: np.ndarray, *, patch: int, heads: int, block_
     x = x + linear(gelu_tanh(u), t[b + "mlp.fc1.weight"])
     i += 1
   x = rms_norm(x, t["vision_tower.encoder.final_layernorm.weight"], block_eps)
-  merged = x.reshape(h // 2, 2, w // 2, 2, -1).transpose(0, 2, 1, 3, 4).reshape(n // 4, -1)
-  y = linear(gelu_erf(linear(merged, t["mm_projector.proj.0.weight"])),
+  windows = x.reshape(f, h // 2, 2, w // 2, 2, -1).transpose(0, 1, 3, 2, 4, 5).mean(0)
+  y = linear(gelu_erf(linear(windows.reshape(h * w // 4, -1), t["mm_projector.proj.0.weight"])),
              t["mm_projector.proj.2.weight"])
   return rms_norm(y, t["mm_projector.post_norm.weight"], projector_eps)

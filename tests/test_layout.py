@@ -261,7 +261,7 @@ def test_imported_tower_sees_an_image_as_the_release_does():
   media, counts = pack([patchify(image, patch_size=2, merge=2)], max_patches=v.max_patches,
                        max_media=v.max_media, merge=v.merge, temporal_pool=v.temporal_pool)
   assert counts == [6]
-  want = release_reference.image_features(arrays, image.astype(np.float64), patch=2,
+  want = release_reference.media_features(arrays, image[None].astype(np.float64), patch=2,
                                            heads=v.num_heads, block_eps=v.norm_eps,
                                            projector_eps=m.norm_eps)
   got = np.asarray(model.embed_images(media), np.float64)[:6]
@@ -274,3 +274,31 @@ def test_imported_tower_sees_an_image_as_the_release_does():
   ref = release_reference.logits(arrays, config, tokens, image=(v.placeholder_id, want))
   np.testing.assert_allclose(np.asarray(logits[0], np.float64), ref, rtol=1e-4,
                              atol=1e-4 * np.abs(ref).max())
+
+
+def test_imported_tower_pools_a_video_chunk_as_the_release_does():
+  """A video of model.vision.temporal_pool frames (the release's chunk: it averages a
+  chunk's frames after the tower): the sincos frame embedding, attention across the
+  frames, the 2-D RoPE per frame, the windows averaged over the frames: the release's
+  features within 1e-4."""
+  import release_reference  # noqa: PLC0415
+
+  from k3jax.model.vision_pos import pack, patchify_video  # noqa: PLC0415
+  m = with_vision(small())
+  m.dtype = "float32"
+  v = m.vision
+  v.max_patches = 16 * v.temporal_pool
+  arrays = release_arrays(m)
+  model = model_from_release(m, arrays)
+  frames = np.random.default_rng(8).uniform(-1, 1, (v.temporal_pool, 8, 8, 3)).astype(
+      np.float32)
+  media, counts = pack([patchify_video(frames, patch_size=2, merge=2,
+                                       temporal_pool=v.temporal_pool)],
+                       max_patches=v.max_patches, max_media=v.max_media, merge=v.merge,
+                       temporal_pool=v.temporal_pool)
+  assert counts == [4]
+  want = release_reference.media_features(arrays, frames.astype(np.float64), patch=2,
+                                           heads=v.num_heads, block_eps=v.norm_eps,
+                                           projector_eps=m.norm_eps)
+  got = np.asarray(model.embed_images(media), np.float64)[:4]
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

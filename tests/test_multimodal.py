@@ -172,7 +172,7 @@ def test_iterator_state_restores_mid_stream(workers):
 def test_files_load_and_bad_files_say_what_is_wrong(tmp_path):
   rng = np.random.default_rng(0)
   np.save(tmp_path / "ok.npy", rng.integers(0, 256, (60, 70, 3), dtype=np.uint8))
-  np.save(tmp_path / "clip.npy", rng.integers(0, 256, (2, 56, 56, 3), dtype=np.uint8))
+  np.save(tmp_path / "clip.npy", rng.integers(0, 256, (4, 56, 56, 3), dtype=np.uint8))
   np.save(tmp_path / "rgba.npy", np.zeros((56, 56, 4), np.uint8))
   np.save(tmp_path / "tiny.npy", np.zeros((20, 56, 3), np.uint8))
   np.save(tmp_path / "huge.npy", np.zeros((28 * 6, 28 * 6, 3), np.uint8))
@@ -193,7 +193,7 @@ def test_files_load_and_bad_files_say_what_is_wrong(tmp_path):
   assert first["grid"].tolist() == [[1, 6, 6]] and first["patches"].shape == (36, 588)
   assert np.sum(first["inputs"] == PH) == 9
   assert tok.decode(first["targets"][9:-1]) == "x ok.npy"
-  assert ex[1]["grid"].tolist() == [[2, 4, 4]] and np.sum(ex[1]["inputs"] == PH) == 4
+  assert ex[1]["grid"].tolist() == [[4, 4, 4]] and np.sum(ex[1]["inputs"] == PH) == 4
   for i, match in [(2, r"rgba.npy: .*\[H, W, 3\]"), (3, "tiny.npy: .*too small"),
                    (4, "huge.npy: .*too large"), (5, "broken.npy: not a readable .npy"),
                    (6, "photo.png: not a readable image")]:

@@ -251,7 +251,7 @@ def test_model_builds_the_tower_and_embeds_images():
 
 @pytest.mark.parametrize("field,value,match", [
     ("model.vision.pos_emb", "sincos", "model.vision.pos_emb"),
-    ("model.vision.max_patches", 1_002, "multiple of merge\\*\\*2 \\* temporal_pool = 8"),
+    ("model.vision.max_patches", 1_002, "multiple of merge\\*\\*2 \\* temporal_pool = 16"),
     ("model.vision.width", 0, "model.vision.width"),
     ("model.vision.projector_hidden", -2, "model.vision.projector_hidden"),
     ("model.vision.projector_norm", "both", "model.vision.projector_norm"),

@@ -61,13 +61,13 @@ QUANTIZATION = {
 VISION = {"patch_size": "vision.patch_size", "init_pos_emb_height": "vision.pos_grid",
           "vt_num_attention_heads": "vision.num_heads", "vt_num_hidden_layers":
           "vision.num_layers", "vt_hidden_size": "vision.width",
-          "vt_intermediate_size": "vision.mlp_dim"}
+          "vt_intermediate_size": "vision.mlp_dim", "init_pos_emb_time": "vision.temporal_pool"}
 # vision_config fields whose value k3jax's tower always has
 VISION_FIXED = {"pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
                 "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
                 "projector_hidden_act": "gelu", "norm_type": "rmsnorm", "attn_bias": False,
                 "linear_bias": False, "patch_embed_proj_bias": False, "mlp_type": "mlp2",
-                "activation_func": "gelu_pytorch_tanh", "init_pos_emb_time": 4}
+                "activation_func": "gelu_pytorch_tanh"}
 
 
 def _fail(field: str, msg: str, section: str = "text_config"):
