@@ -101,31 +101,31 @@ def whole(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[Source], Source]:
   return load
 
 
-def _one(path, name, dtype, shape, load, save) -> Rule:
+def one_tensor(path, name, dtype, shape, load, save) -> Rule:
   return Rule((path,), (name,), (dtype,), (tuple(shape),), lambda s: [load(s[0])],
               lambda a: [save(a[0])])
 
 
-def _dense(path, name, in_shape, out_shape, dtype=BF16) -> Rule:
-  return _one(path, name, dtype, (math.prod(out_shape), math.prod(in_shape)),
-              linear(in_shape, out_shape),
-              lambda w: torch_weight(w, len(in_shape)).astype(dtype))
+def dense_weight(path, name, in_shape, out_shape, dtype=BF16) -> Rule:
+  return one_tensor(path, name, dtype, (math.prod(out_shape), math.prod(in_shape)),
+                    linear(in_shape, out_shape),
+                    lambda w: torch_weight(w, len(in_shape)).astype(dtype))
 
 
-def _vector(path, name, n, dtype=BF16, shape=None) -> Rule:
+def vector_weight(path, name, n, dtype=BF16, shape=None) -> Rule:
   """A vector parameter of n entries; `shape`: the release's (e.g. [1, d] for an AttnRes
   query)."""
   shape = shape or (n,)
-  return _one(path, name, dtype, shape, whole(lambda x: x.reshape(-1)),
-              lambda w: w.reshape(shape).astype(dtype))
+  return one_tensor(path, name, dtype, shape, whole(lambda x: x.reshape(-1)),
+                    lambda w: w.reshape(shape).astype(dtype))
 
 
 def _conv(path, name, width, heads, dim) -> Rule:
   """k3jax taps [W, H, D] (tap j on token t - j) <-> the release's [H * D, 1, W] (last tap
   on the current token)."""
-  return _one(path, name, F32, (heads * dim, 1, width),
-              whole(lambda x: x.reshape(heads, dim, width)[..., ::-1].transpose(2, 0, 1)),
-              lambda w: w[::-1].transpose(1, 2, 0).reshape(heads * dim, 1, width).astype(F32))
+  return one_tensor(path, name, F32, (heads * dim, 1, width),
+                    whole(lambda x: x.reshape(heads, dim, width)[..., ::-1].transpose(2, 0, 1)),
+                    lambda w: w[::-1].transpose(1, 2, 0).reshape(heads * dim, 1, width).astype(F32))
 
 
 def _a_log(path, name, heads, stored) -> Rule:
@@ -133,13 +133,13 @@ def _a_log(path, name, heads, stored) -> Rule:
     if np.any(x[heads:] != 0):
       raise ValueError(f"{name}: entries past the {heads} heads must be zero padding")
     return x[:heads]
-  return _one(path, name, F32, (stored,), whole(load_fn),
-              lambda w: np.pad(w.astype(F32), (0, stored - heads)))
+  return one_tensor(path, name, F32, (stored,), whole(load_fn),
+                    lambda w: np.pad(w.astype(F32), (0, stored - heads)))
 
 
 def _attn_res(path, name, d) -> list[Rule]:
-  return [_vector(f"{path}/query", f"{name}_proj.weight", d, shape=(1, d)),
-          _vector(f"{path}/key_gain", f"{name}_norm.weight", d)]
+  return [vector_weight(f"{path}/query", f"{name}_proj.weight", d, shape=(1, d)),
+          vector_weight(f"{path}/key_gain", f"{name}_norm.weight", d)]
 
 
 def _kda(m, pre: str, path: str) -> list[Rule]:
@@ -147,21 +147,21 @@ def _kda(m, pre: str, path: str) -> list[Rule]:
   d, h, k, w, r = m.d_model, c.num_heads, c.head_dim, c.conv_size, c.gate_rank
   s, p = pre + "self_attn.", path + "mixer/"
   return [
-      _dense(p + "q_proj/kernel", s + "q_proj.weight", (d,), (h, k)),
-      _dense(p + "k_proj/kernel", s + "k_proj.weight", (d,), (h, k)),
-      _dense(p + "v_proj/kernel", s + "v_proj.weight", (d,), (h, k)),
+      dense_weight(p + "q_proj/kernel", s + "q_proj.weight", (d,), (h, k)),
+      dense_weight(p + "k_proj/kernel", s + "k_proj.weight", (d,), (h, k)),
+      dense_weight(p + "v_proj/kernel", s + "v_proj.weight", (d,), (h, k)),
       _conv(p + "q_conv", s + "q_conv1d.weight", w, h, k),
       _conv(p + "k_conv", s + "k_conv1d.weight", w, h, k),
       _conv(p + "v_conv", s + "v_conv1d.weight", w, h, k),
-      _dense(p + "beta_proj/kernel", s + "b_proj.weight", (d,), (h,)),
-      _dense(p + "f_down/kernel", s + "f_a_proj.weight", (d,), (r,)),
-      _dense(p + "f_up/kernel", s + "f_b_proj.weight", (r,), (h, k)),
+      dense_weight(p + "beta_proj/kernel", s + "b_proj.weight", (d,), (h,)),
+      dense_weight(p + "f_down/kernel", s + "f_a_proj.weight", (d,), (r,)),
+      dense_weight(p + "f_up/kernel", s + "f_b_proj.weight", (r,), (h, k)),
       _a_log(p + "A_log", s + "A_log", h, max(h, k)),
-      _one(p + "dt_bias", s + "dt_bias", F32, (h * k,), whole(lambda x: x.reshape(h, k)),
-           lambda a: a.reshape(-1).astype(F32)),
-      _dense(p + "gate_proj/kernel", s + "g_proj.weight", (d,), (h, k)),
-      _vector(p + "o_norm/weight", s + "o_norm.weight", k, F32),
-      _dense(p + "o_proj/kernel", s + "o_proj.weight", (h, k), (d,)),
+      one_tensor(p + "dt_bias", s + "dt_bias", F32, (h * k,), whole(lambda x: x.reshape(h, k)),
+                 lambda a: a.reshape(-1).astype(F32)),
+      dense_weight(p + "gate_proj/kernel", s + "g_proj.weight", (d,), (h, k)),
+      vector_weight(p + "o_norm/weight", s + "o_norm.weight", k, F32),
+      dense_weight(p + "o_proj/kernel", s + "o_proj.weight", (h, k), (d,)),
   ]
 
 
@@ -171,24 +171,24 @@ def _mla(m, pre: str, path: str) -> list[Rule]:
   qk, kv = a.qk_nope_dim + a.qk_rope_dim, a.qk_nope_dim + a.v_head_dim
   s, p = pre + "self_attn.", path + "mixer/"
   return [
-      _dense(p + "wq_a/kernel", s + "q_a_proj.weight", (d,), (a.q_lora_rank,)),
-      _vector(p + "q_norm/weight", s + "q_a_layernorm.weight", a.q_lora_rank),
-      _dense(p + "wq_b/kernel", s + "q_b_proj.weight", (a.q_lora_rank,), (h, qk)),
-      _dense(p + "wkv_a/kernel", s + "kv_a_proj_with_mqa.weight", (d,),
-             (a.kv_lora_rank + a.qk_rope_dim,)),
-      _vector(p + "kv_norm/weight", s + "kv_a_layernorm.weight", a.kv_lora_rank),
-      _dense(p + "wkv_b/kernel", s + "kv_b_proj.weight", (a.kv_lora_rank,), (h, kv)),
-      _dense(p + "w_g/kernel", s + "g_proj.weight", (d,), (h, a.v_head_dim)),
-      _dense(p + "w_o/kernel", s + "o_proj.weight", (h, a.v_head_dim), (d,)),
+      dense_weight(p + "wq_a/kernel", s + "q_a_proj.weight", (d,), (a.q_lora_rank,)),
+      vector_weight(p + "q_norm/weight", s + "q_a_layernorm.weight", a.q_lora_rank),
+      dense_weight(p + "wq_b/kernel", s + "q_b_proj.weight", (a.q_lora_rank,), (h, qk)),
+      dense_weight(p + "wkv_a/kernel", s + "kv_a_proj_with_mqa.weight", (d,),
+                   (a.kv_lora_rank + a.qk_rope_dim,)),
+      vector_weight(p + "kv_norm/weight", s + "kv_a_layernorm.weight", a.kv_lora_rank),
+      dense_weight(p + "wkv_b/kernel", s + "kv_b_proj.weight", (a.kv_lora_rank,), (h, kv)),
+      dense_weight(p + "w_g/kernel", s + "g_proj.weight", (d,), (h, a.v_head_dim)),
+      dense_weight(p + "w_o/kernel", s + "o_proj.weight", (h, a.v_head_dim), (d,)),
   ]
 
 
 def _dense_ffn(m, pre: str, path: str) -> list[Rule]:
   d, f = m.d_model, m.ffn.hidden_dim
   s, p = pre + "mlp.", path + "ffn/"
-  return [_dense(p + "w_g/kernel", s + "gate_proj.weight", (d,), (f,)),
-          _dense(p + "w_u/kernel", s + "up_proj.weight", (d,), (f,)),
-          _dense(p + "w_d/kernel", s + "down_proj.weight", (f,), (d,))]
+  return [dense_weight(p + "w_g/kernel", s + "gate_proj.weight", (d,), (f,)),
+          dense_weight(p + "w_u/kernel", s + "up_proj.weight", (d,), (f,)),
+          dense_weight(p + "w_d/kernel", s + "down_proj.weight", (f,), (d,))]
 
 
 def _shared(m, s: str, p: str) -> list[Rule]:
@@ -242,11 +242,11 @@ def _moe(m, pre: str, path: str) -> list[Rule]:
   d, e, lat = m.d_model, m.moe.num_experts, m.moe.latent_dim
   s, p = pre + "block_sparse_moe.", path + "ffn/"
   return [
-      _dense(p + "router/kernel", s + "gate.weight", (d,), (e,)),
-      _vector(p + "bias", s + "gate.e_score_correction_bias", e, F32),
-      _dense(p + "w_down/kernel", s + "routed_expert_down_proj.weight", (d,), (lat,)),
-      _vector(p + "latent_norm/weight", s + "routed_expert_norm.weight", lat),
-      _dense(p + "w_up/kernel", s + "routed_expert_up_proj.weight", (lat,), (d,)),
+      dense_weight(p + "router/kernel", s + "gate.weight", (d,), (e,)),
+      vector_weight(p + "bias", s + "gate.e_score_correction_bias", e, F32),
+      dense_weight(p + "w_down/kernel", s + "routed_expert_down_proj.weight", (d,), (lat,)),
+      vector_weight(p + "latent_norm/weight", s + "routed_expert_norm.weight", lat),
+      dense_weight(p + "w_up/kernel", s + "routed_expert_up_proj.weight", (lat,), (d,)),
       *_shared(m, s, p), *_experts(m, s, p),
   ]
 
@@ -254,8 +254,8 @@ def _moe(m, pre: str, path: str) -> list[Rule]:
 def layer_rules(m, layer: int, mixer: str, ffn: str, path: str) -> list[Rule]:
   """The rules of release layer `layer` (0-based) at k3jax path prefix `path`."""
   pre, d = f"{LAYERS}{layer}.", m.d_model
-  return [_vector(path + "mixer_norm/weight", pre + "input_layernorm.weight", d),
-          _vector(path + "ffn_norm/weight", pre + "post_attention_layernorm.weight", d),
+  return [vector_weight(path + "mixer_norm/weight", pre + "input_layernorm.weight", d),
+          vector_weight(path + "ffn_norm/weight", pre + "post_attention_layernorm.weight", d),
           *_attn_res(path + "mixer_query", pre + "self_attention_res", d),
           *_attn_res(path + "ffn_query", pre + "mlp_res", d),
           *(_kda if mixer == "kda" else _mla)(m, pre, path),
@@ -264,10 +264,10 @@ def layer_rules(m, layer: int, mixer: str, ffn: str, path: str) -> list[Rule]:
 
 def global_rules(m) -> list[Rule]:
   d, v = m.d_model, m.vocab_size
-  return [_one("embed", TEXT + "model.embed_tokens.weight", BF16, (v, d), lambda src: src,
-               lambda w: w.astype(BF16)),
-          _dense("lm_head/kernel", TEXT + "lm_head.weight", (d,), (v,)),
-          _vector("final_norm/weight", TEXT + "model.norm.weight", d),
+  return [one_tensor("embed", TEXT + "model.embed_tokens.weight", BF16, (v, d), lambda src: src,
+                     lambda w: w.astype(BF16)),
+          dense_weight("lm_head/kernel", TEXT + "lm_head.weight", (d,), (v,)),
+          vector_weight("final_norm/weight", TEXT + "model.norm.weight", d),
           *_attn_res("out_query", TEXT + "model.output_attn_res", d)]
 
 

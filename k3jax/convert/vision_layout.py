@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from k3jax.convert.layout import BF16, Rule, _dense, _one, _vector, linear, torch_weight
+from k3jax.convert.layout import (BF16, Rule, dense_weight, linear, one_tensor, torch_weight,
+                                  vector_weight)
 
 TOWER, PROJECTOR = "vision_tower.", "mm_projector."
 BLOCKS = TOWER + "encoder.blocks."
@@ -43,16 +44,16 @@ def global_rules(m) -> list[Rule]:
     return read
 
   return [
-      _one("vision/patch_embed/kernel", TOWER + "patch_embed.proj.weight", BF16, (w, 3, p, p),
-           patch_load,
-           lambda k: k.reshape(p, p, 3, w).transpose(3, 2, 0, 1).astype(BF16)),
-      _one("vision/pos_table", TOWER + "patch_embed.pos_emb.weight", BF16,
-           (v.pos_grid, v.pos_grid, w), lambda src: src, lambda t: t.astype(BF16)),
-      _vector("vision/final_norm/weight", TOWER + "encoder.final_layernorm.weight", w),
-      _dense("vision/projector/w1/kernel", PROJECTOR + "proj.0.weight", (merged,), (merged,)),
-      _dense("vision/projector/w2/kernel", PROJECTOR + "proj.2.weight", (merged,),
-             (m.d_model,)),
-      _vector("vision/projector/norm/weight", PROJECTOR + "post_norm.weight", m.d_model),
+      one_tensor("vision/patch_embed/kernel", TOWER + "patch_embed.proj.weight", BF16, (w, 3, p, p),
+                 patch_load,
+                 lambda k: k.reshape(p, p, 3, w).transpose(3, 2, 0, 1).astype(BF16)),
+      one_tensor("vision/pos_table", TOWER + "patch_embed.pos_emb.weight", BF16,
+                 (v.pos_grid, v.pos_grid, w), lambda src: src, lambda t: t.astype(BF16)),
+      vector_weight("vision/final_norm/weight", TOWER + "encoder.final_layernorm.weight", w),
+      dense_weight("vision/projector/w1/kernel", PROJECTOR + "proj.0.weight", (merged,), (merged,)),
+      dense_weight("vision/projector/w2/kernel", PROJECTOR + "proj.2.weight", (merged,),
+                   (m.d_model,)),
+      vector_weight("vision/projector/norm/weight", PROJECTOR + "post_norm.weight", m.d_model),
   ]
 
 
@@ -70,10 +71,10 @@ def block_rules(m, i: int) -> list[Rule]:
     return [np.concatenate([torch_weight(x, 1) for x in ws], axis=0).astype(BF16)]
 
   return [
-      _vector(p + "attn_norm/weight", s + "norm0.weight", w),
-      _vector(p + "mlp_norm/weight", s + "norm1.weight", w),
+      vector_weight(p + "attn_norm/weight", s + "norm0.weight", w),
+      vector_weight(p + "mlp_norm/weight", s + "norm1.weight", w),
       Rule(qkv_paths, (s + "wqkv.weight",), (BF16,), ((3 * h * d, w),), qkv_load, qkv_save),
-      _dense(p + "wo/kernel", s + "wo.weight", (h, d), (w,)),
-      _dense(p + "w1/kernel", s + "mlp.fc0.weight", (w,), (v.mlp_dim,)),
-      _dense(p + "w2/kernel", s + "mlp.fc1.weight", (v.mlp_dim,), (w,)),
+      dense_weight(p + "wo/kernel", s + "wo.weight", (h, d), (w,)),
+      dense_weight(p + "w1/kernel", s + "mlp.fc0.weight", (w,), (v.mlp_dim,)),
+      dense_weight(p + "w2/kernel", s + "mlp.fc1.weight", (v.mlp_dim,), (w,)),
   ]
