@@ -203,6 +203,25 @@ def restore_weights(directory: str, abstract: Any, *, config_json: str, must_mat
   return got.state
 
 
+def restore_params(workdir: str, abstract_state: tuple, *, config_json: str, must_match=()):
+  """(step, params, rest) of the latest checkpoint in `workdir`, a run's (train state) or
+  a weights checkpoint's, read into the shapes and shardings of `abstract_state` (the
+  program's (params, rest, opt_state)); the optimizer state is not read back when the
+  checkpoint holds one. FileNotFoundError when `workdir` holds no checkpoint."""
+  if not epath.Path(workdir).exists():
+    raise FileNotFoundError(f"{workdir}: no such directory")
+  ckpt = Checkpointer(workdir, keep=1)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"{workdir}: no checkpoint")
+    abstract = abstract_state if ckpt.holds_data(step) else abstract_state[:2]
+    got = ckpt.restore_latest(abstract, config_json=config_json, must_match=must_match)
+  finally:
+    ckpt.close()
+  return got.step, got.state[0], got.state[1]
+
+
 class Checkpointer:
   """Saves and restores train state, data iterator state and config under a workdir."""
 

@@ -54,18 +54,11 @@ def export_release(cfg, workdir: str, out: str) -> None:
   if jax.process_count() > 1:
     raise ValueError("export runs on one process (it gathers each layer to the host)")
   prog = program.build_once(cfg, parallel.make_mesh(cfg.mesh))
-  ckpt = checkpoint.Checkpointer(workdir, keep=1)
-  step = ckpt.latest_step()
-  if step is None:
-    raise FileNotFoundError(f"{workdir}: no checkpoint to export")
-  weights_only = not ckpt.holds_data(step)
-  abstract = prog.abstract_state[:2] if weights_only else prog.abstract_state
-  got = ckpt.restore_latest(abstract, config_json=cfg.to_json(),
-                            must_match=[f for f in k3config.RESTORE_FIELDS
-                                        if f.startswith("model.")])
-  ckpt.close()
+  step, params, rest = checkpoint.restore_params(
+      workdir, prog.abstract_state, config_json=cfg.to_json(),
+      must_match=[f for f in k3config.RESTORE_FIELDS if f.startswith("model.")])
   flat = {}
-  for tree in got.state[:2]:
+  for tree in (params, rest):
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
       flat[importer.param_path(keys)] = leaf
 
@@ -74,7 +67,7 @@ def export_release(cfg, workdir: str, out: str) -> None:
     return np.asarray(jax.device_get(leaf), np.float32)
 
   nbytes = exporter.export_release(cfg.model, param, out, log=say)
-  say(f"export: step {got.step} of {workdir} -> {out} ({nbytes / 2**30:.2f} GiB)")
+  say(f"export: step {step} of {workdir} -> {out} ({nbytes / 2**30:.2f} GiB)")
 
 
 def main(argv):

@@ -112,6 +112,21 @@ class Layer(nnx.Module):
       out = self.ffn(self.ffn_norm(h))
     return self._write(stream, out), aux
 
+  def step(self, stream, cache: dict, pos: jax.Array):
+    """One token a row (decoding): the stream of [B, 1] positions at pos [B], the mixer's
+    cache (`init_cache`) -> (stream, cache after the token)."""
+    h = self._read(stream, self.mixer_query if self.attn_res else None)
+    out, cache = self.mixer.step(self.mixer_norm(h), cache, pos)
+    stream = self._write(stream, out)
+    h = self._read(stream, self.ffn_query if self.attn_res else None)
+    out = self.ffn(self.ffn_norm(h), None)[0] if self.is_moe else self.ffn(self.ffn_norm(h))
+    return self._write(stream, out), cache
+
+  def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+    if self.is_mla:
+      return self.mixer.init_cache(batch, max_len, dtype)
+    return self.mixer.init_cache(batch, dtype)
+
 
 class Cycle(nnx.Module):
   """[KDA] * (mla_every - 1) + [MLA], every layer with LatentMoE: the scanned unit."""

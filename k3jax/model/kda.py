@@ -92,3 +92,29 @@ class KDA(nnx.Module):
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(
         self.gate_proj(x).astype(jnp.float32))
     return constrain(self.o_proj(o.astype(x.dtype)), ("batch", "seq", "embed")), {}
+
+  def init_cache(self, batch: int, dtype) -> dict:
+    """The decoding state of one row: {"conv": the last W - 1 tokens' q, k, v projections
+    [B, W - 1, 3, H, K] (`dtype`), "state": the recurrence's [B, H, K, K] fp32}."""
+    w, h, k = self.q_conv.shape[0], *self.dt_bias.shape
+    return {"conv": jnp.zeros((batch, w - 1, 3, h, k), dtype),
+            "state": jnp.zeros((batch, h, k, k), jnp.float32)}
+
+  def step(self, x: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
+    """One token a row: x [B, 1, d] -> (y [B, 1, d], the cache after it); what `__call__`
+    computes at that position after the tokens the cache has seen. pos is unused (the
+    state holds the past)."""
+    del pos
+    projs = [p(x) for p in (self.q_proj, self.k_proj, self.v_proj)]          # [B, 1, H, K]
+    window = jnp.concatenate([cache["conv"], jnp.stack(projs, 2).astype(
+        cache["conv"].dtype)], axis=1)                                        # [B, W, 3, H, K]
+    ones = jnp.ones(window.shape[:2], jnp.int32)
+    q, k, v = (conv_ops.short_conv(window[:, :, j].astype(projs[j].dtype), weight[...], ones,
+                                   normalize=j < 2)[:, -1:]
+               for j, weight in enumerate((self.q_conv, self.k_conv, self.v_conv)))
+    beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+    o, state = kda_ops.kda(q, k, v, self.decay(x), beta, backend="naive",
+                           initial_state=cache["state"], output_final_state=True)
+    o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(
+        self.gate_proj(x).astype(jnp.float32))
+    return self.o_proj(o.astype(x.dtype)), {"conv": window[:, 1:], "state": state}

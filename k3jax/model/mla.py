@@ -136,6 +136,29 @@ class MLA(nnx.Module):
     heads, logit_max = self.heads(x, segment_ids)
     return constrain(self.w_o(heads), BTE), {"logit_max": logit_max}
 
+  def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+    """The decoding cache of `max_len` positions a row: {"latent": [B, max_len, kv_lora +
+    rope]}, each token's c_kv and shared key slot (the absorbed form's one key)."""
+    return {"latent": jnp.zeros((batch, max_len, self.kv_lora + self.rope), dtype)}
+
+  def step(self, x: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
+    """One token a row at positions pos [B] int32: x [B, 1, d] -> (y [B, 1, d], the cache
+    with the token's latent at pos). The absorbed form (module docstring) over the cache's
+    positions <= pos: kv_lora + rope values read a cached token."""
+    q, k, _ = self.project_absorbed(x)                     # [B, 1, H, C + R], [B, 1, 1, C + R]
+    slots = jnp.arange(cache["latent"].shape[1])
+    here = (slots[None, :] == pos[:, None])[..., None]     # [B, L, 1]
+    latent = jnp.where(here, k[:, 0].astype(cache["latent"].dtype), cache["latent"])
+    scores = jnp.einsum("bhc,blc->bhl", q[:, 0].astype(jnp.float32),
+                        latent.astype(jnp.float32)) * self.scale
+    seen = (slots[None, :] <= pos[:, None])[:, None, :]
+    p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
+    o = jnp.einsum("bhl,blc->bhc", p, latent[..., :self.kv_lora].astype(jnp.float32))
+    w_uv = self.wkv_b.kernel[...][..., self.nope:].astype(jnp.float32)   # [kv_lora, H, v]
+    o = jnp.einsum("bhc,chv->bhv", o, w_uv)[:, None]                     # [B, 1, H, v]
+    gate = jax.nn.sigmoid(self.w_g(x).astype(jnp.float32))
+    return self.w_o((o * gate).astype(self.dtype)), {"latent": latent}
+
   def clip_qk(self, logit_max: jax.Array, tau: float) -> jax.Array:
     """QK-Clip (K3_SPEC 5), in place: every head whose max logit S exceeded tau gets
     gamma = tau / S; its NoPE query and key weights are scaled by sqrt(gamma) and its

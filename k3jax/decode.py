@@ -1,0 +1,138 @@
+"""Decoding with K3Model: a cache per layer and a one-token step.
+
+  cache = init_cache(model, batch, max_len)
+  logits, cache = step(model, tokens[:, t:t + 1], cache, pos)   # [B, 1, vocab]
+  ids = generate(model, prompts, max_new_tokens=..., eos_id=..., key=...)
+
+Only the token mixers carry anything across positions: a KDA layer its recurrent state
+[B, H, K, K] fp32 and the last W - 1 tokens' q, k, v projections (its short conv's tail), an
+MLA layer the absorbed form's latent of every cached position [B, max_len, kv_lora + rope].
+AttnRes, the FFNs and LatentMoE act on the token alone, so a step runs the stack on [B, 1]
+positions with each mixer's `step`. Rows advance together at their own positions `pos` [B]
+(a row's next free slot); a row's cache holds one document.
+
+The cache mirrors the layer groups: {"prefix": [...], "cycles": [...] (one per layer of a
+cycle, stacked over the scanned cycles), "suffix": [...]}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.model import attn_res, embedding
+from k3jax.model.k3 import K3Model
+
+
+def init_cache(model: K3Model, batch: int, max_len: int) -> dict:
+  """Empty caches for `batch` rows of up to `max_len` positions (module docstring)."""
+  dtype = model.dtype
+  cache = {"prefix": [layer.init_cache(batch, max_len, dtype) for layer in model.prefix],
+           "cycles": [],
+           "suffix": [layer.init_cache(batch, max_len, dtype) for layer in model.suffix]}
+  if model.cycles is not None:
+    n = model.plan.num_cycles
+
+    def stacked(layer):
+      one = layer.init_cache(batch, max_len, dtype)
+      return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), one)
+    # the layers of a cycle have the same shapes in every cycle: build from the first
+    graphdef, state = nnx.split(model.cycles)
+    first = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], state))
+    cache["cycles"] = [stacked(layer) for layer in first.layers]
+  return cache
+
+
+def step(model: K3Model, tokens: jax.Array, cache: dict, pos: jax.Array):
+  """tokens [B, 1] at positions pos [B] int32 -> (logits [B, 1, vocab], the cache after
+  them): the logits the training forward gives at those positions of the rows' sequences
+  (teacher forcing), given the cache of the positions before."""
+  x = embedding.lookup(model.embed[...], tokens, model.dtype)
+  stream = attn_res.init_state(x, model.num_slots) if model.use_attn_res else x
+  new = {"prefix": [], "cycles": [], "suffix": []}
+  for layer, c in zip(model.prefix, cache["prefix"]):
+    stream, c = layer.step(stream, c, pos)
+    new["prefix"].append(c)
+  if model.cycles is not None:
+    graphdef, state = nnx.split(model.cycles)
+
+    def body(stream, xs):
+      cycle_state, cycle_cache = xs
+      cycle = nnx.merge(graphdef, cycle_state)
+      out = []
+      for layer, c in zip(cycle.layers, cycle_cache):
+        stream, c = layer.step(stream, c, pos)
+        out.append(c)
+      return stream, out
+
+    stream, new["cycles"] = jax.lax.scan(body, stream, (state, cache["cycles"]))
+  for layer, c in zip(model.suffix, cache["suffix"]):
+    stream, c = layer.step(stream, c, pos)
+    new["suffix"].append(c)
+  h = attn_res.read(stream, model.out_query) if model.use_attn_res else stream
+  return model.logits(model.final_norm(h)), new
+
+
+def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0) -> jax.Array:
+  """Next tokens [B] int32 from logits [B, vocab]: the argmax at temperature 0, else a draw
+  from softmax(logits / temperature) over the top_k largest (0: all) and, within them, the
+  smallest set whose probability reaches top_p (the largest always kept)."""
+  logits = logits.astype(jnp.float32)
+  if temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+    before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(
+        ordered, axis=-1)                       # probability of the larger ones
+    cut = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cut, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             eos_id: int | None, key: jax.Array, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0,
+             on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+  """Continues each prompt (token ids, at least one) by up to `max_new_tokens` tokens,
+  stopping a row at `eos_id` (kept in its output). Rows step together: a row still in its
+  prompt is fed its next prompt token, the others their last sampled one (`sample`, key
+  folded with the position). on_token(row, id) is called for each new token as it comes.
+  Returns the new tokens of each row."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("generate: every prompt needs at least one token (e.g. bos)")
+  b, lengths = len(prompts), [len(p) for p in prompts]
+  max_len = max(lengths) + max_new_tokens
+  tokens = np.zeros((b, max_len), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  graphdef, state = nnx.split(model)
+  run = jax.jit(lambda s, tok, c, pos: step(nnx.merge(graphdef, s), tok, c, pos))
+  pick = jax.jit(lambda logits, k: sample(logits, k, temperature=temperature, top_k=top_k,
+                                          top_p=top_p))
+  cache = init_cache(model, b, max_len)
+  out: list[list[int]] = [[] for _ in range(b)]
+  done = [max_new_tokens == 0] * b
+  for t in range(max_len - 1):
+    if all(done):
+      break
+    logits, cache = run(state, jnp.asarray(tokens[:, t:t + 1]), cache,
+                        jnp.full((b,), t, jnp.int32))
+    nxt = np.asarray(pick(logits[:, 0], jax.random.fold_in(key, t)))
+    for i in range(b):
+      if t + 1 < lengths[i] or done[i]:
+        continue
+      tokens[i, t + 1] = nxt[i]
+      out[i].append(int(nxt[i]))
+      if on_token is not None:
+        on_token(i, int(nxt[i]))
+      done[i] = len(out[i]) == max_new_tokens or nxt[i] == eos_id
+  return out
