@@ -1,6 +1,6 @@
 """Decoding with K3Model: a cache per layer and a one-token step.
 
-  cache = init_cache(model, batch, max_len)
+  logits, cache = prefill(model, prompts, max_len)             # [B, P, vocab]
   logits, cache = step(model, tokens[:, t:t + 1], cache, pos)   # [B, 1, vocab]
   ids = generate(model, prompts, max_new_tokens=..., eos_id=..., key=...)
 
@@ -52,27 +52,44 @@ def step(model: K3Model, tokens: jax.Array, cache: dict, pos: jax.Array):
   them): the logits the training forward gives at those positions of the rows' sequences
   (teacher forcing), given the cache of the positions before."""
   x = embedding.lookup(model.embed[...], tokens, model.dtype)
+  return _stack(model, x, lambda layer, s, c: layer.step(s, c, pos), cache)
+
+
+def prefill(model: K3Model, tokens: jax.Array, max_len: int):
+  """Whole prompts tokens [B, P] (one document a row), through the training kernels ->
+  (logits [B, P, vocab], the cache of `max_len` positions after them)."""
+  x = embedding.lookup(model.embed[...], tokens, model.dtype)
+  segment_ids = jnp.ones(tokens.shape, jnp.int32)
+  return _stack(model, x, lambda layer, s, _: layer.prefill(s, segment_ids, max_len))
+
+
+def _stack(model: K3Model, x: jax.Array, layer_fn, cache: dict | None = None):
+  """The stack on embeddings x [B, T, d], each layer through
+  layer_fn(layer, stream, its cache or None) -> (stream, its new cache) -> (logits, cache)."""
   stream = attn_res.init_state(x, model.num_slots) if model.use_attn_res else x
   new = {"prefix": [], "cycles": [], "suffix": []}
-  for layer, c in zip(model.prefix, cache["prefix"]):
-    stream, c = layer.step(stream, c, pos)
-    new["prefix"].append(c)
+
+  def group(name, layers):
+    nonlocal stream
+    for i, layer in enumerate(layers):
+      stream, c = layer_fn(layer, stream, None if cache is None else cache[name][i])
+      new[name].append(c)
+
+  group("prefix", model.prefix)
   if model.cycles is not None:
     graphdef, state = nnx.split(model.cycles)
 
     def body(stream, xs):
       cycle_state, cycle_cache = xs
-      cycle = nnx.merge(graphdef, cycle_state)
       out = []
-      for layer, c in zip(cycle.layers, cycle_cache):
-        stream, c = layer.step(stream, c, pos)
+      for j, layer in enumerate(nnx.merge(graphdef, cycle_state).layers):
+        stream, c = layer_fn(layer, stream, None if cycle_cache is None else cycle_cache[j])
         out.append(c)
       return stream, out
 
-    stream, new["cycles"] = jax.lax.scan(body, stream, (state, cache["cycles"]))
-  for layer, c in zip(model.suffix, cache["suffix"]):
-    stream, c = layer.step(stream, c, pos)
-    new["suffix"].append(c)
+    stream, new["cycles"] = jax.lax.scan(
+        body, stream, (state, None if cache is None else cache["cycles"]))
+  group("suffix", model.suffix)
   h = attn_res.read(stream, model.out_query) if model.use_attn_res else stream
   return model.logits(model.final_norm(h)), new
 
@@ -103,14 +120,15 @@ def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
              top_p: float = 1.0,
              on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
   """Continues each prompt (token ids, at least one) by up to `max_new_tokens` tokens,
-  stopping a row at `eos_id` (kept in its output). Rows step together: a row still in its
-  prompt is fed its next prompt token, the others their last sampled one (`sample`, key
-  folded with the position). on_token(row, id) is called for each new token as it comes.
-  Returns the new tokens of each row."""
+  stopping a row at `eos_id` (kept in its output). The first min(prompt lengths) tokens go
+  through `prefill` at once; then rows step together: a row still in its prompt is fed its
+  next prompt token, the others their last sampled one (`sample`, key folded with the
+  position). on_token(row, id) is called for each new token as it comes. Returns the new
+  tokens of each row."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token (e.g. bos)")
   b, lengths = len(prompts), [len(p) for p in prompts]
-  max_len = max(lengths) + max_new_tokens
+  max_len, first = max(lengths) + max_new_tokens, min(lengths)
   tokens = np.zeros((b, max_len), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
@@ -118,15 +136,13 @@ def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
   run = jax.jit(lambda s, tok, c, pos: step(nnx.merge(graphdef, s), tok, c, pos))
   pick = jax.jit(lambda logits, k: sample(logits, k, temperature=temperature, top_k=top_k,
                                           top_p=top_p))
-  cache = init_cache(model, b, max_len)
+  logits, cache = jax.jit(lambda s, tok: prefill(nnx.merge(graphdef, s), tok, max_len))(
+      state, jnp.asarray(tokens[:, :first]))
+  last = logits[:, -1]                       # at position t, for token t + 1
   out: list[list[int]] = [[] for _ in range(b)]
   done = [max_new_tokens == 0] * b
-  for t in range(max_len - 1):
-    if all(done):
-      break
-    logits, cache = run(state, jnp.asarray(tokens[:, t:t + 1]), cache,
-                        jnp.full((b,), t, jnp.int32))
-    nxt = np.asarray(pick(logits[:, 0], jax.random.fold_in(key, t)))
+  for t in range(first - 1, max_len - 1):
+    nxt = np.asarray(pick(last, jax.random.fold_in(key, t)))
     for i in range(b):
       if t + 1 < lengths[i] or done[i]:
         continue
@@ -135,4 +151,9 @@ def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
       if on_token is not None:
         on_token(i, int(nxt[i]))
       done[i] = len(out[i]) == max_new_tokens or nxt[i] == eos_id
+    if all(done) or t + 2 >= max_len:
+      break
+    logits, cache = run(state, jnp.asarray(tokens[:, t + 1:t + 2]), cache,
+                        jnp.full((b,), t + 1, jnp.int32))
+    last = logits[:, 0]
   return out

@@ -118,3 +118,25 @@ def test_generate_command_continues_a_prompt_from_a_checkpoint(tmp_path):
   assert got.stdout.startswith("The cat") and "# step 0 of" in got.stderr
   missing = generate(tmp_path / "none")
   assert missing.returncode != 0 and "no such directory" in missing.stderr
+
+
+def test_prefill_of_an_odd_length_then_steps_equals_the_forward():
+  """The first 5 tokens through `prefill` (each layer's own forward, returning KDA's final
+  state and conv tail and MLA's latents), the last 4 stepped: the forward's logits at all
+  9 positions within 1e-4 (fp32)."""
+  c = micro_config()
+  c.model.moe.dispatch, c.model.kda.backend = "dropless", "naive"
+  model = random_model(c.model, model_cls=K3Model)
+  graphdef, state = nnx.split(model)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(1, 64, (2, 9)), jnp.int32)
+  want = np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, jnp.ones_like(t))[0])(
+      state, tokens))
+  logits, cache = jax.jit(lambda s, t: decode.prefill(nnx.merge(graphdef, s), t, 12))(
+      state, tokens[:, :5])
+  got = [np.asarray(logits)]
+  one = jax.jit(lambda s, t, c, p: decode.step(nnx.merge(graphdef, s), t, c, p))
+  for t in range(5, 9):
+    logits, cache = one(state, tokens[:, t:t + 1], cache, jnp.full((2,), t, jnp.int32))
+    got.append(np.asarray(logits))
+  got = np.concatenate(got, 1)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

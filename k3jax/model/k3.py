@@ -115,8 +115,19 @@ class Layer(nnx.Module):
   def step(self, stream, cache: dict, pos: jax.Array):
     """One token a row (decoding): the stream of [B, 1] positions at pos [B], the mixer's
     cache (`init_cache`) -> (stream, cache after the token)."""
+    return self._decode(stream, lambda h: self.mixer.step(h, cache, pos))
+
+  def prefill(self, stream, segment_ids: jax.Array, max_len: int):
+    """Whole prompts (one document a row) -> (stream, the mixer's decoding cache after
+    them, `max_len` positions long)."""
+    if self.is_mla:
+      return self._decode(stream, lambda h: self.mixer.prefill(h, segment_ids, max_len))
+    return self._decode(stream, lambda h: self.mixer.prefill(h, segment_ids))
+
+  def _decode(self, stream, mixer):
+    """The layer with `mixer(h) -> (out, cache)` as its token mixer; the FFN as always."""
     h = self._read(stream, self.mixer_query if self.attn_res else None)
-    out, cache = self.mixer.step(self.mixer_norm(h), cache, pos)
+    out, cache = mixer(self.mixer_norm(h))
     stream = self._write(stream, out)
     h = self._read(stream, self.ffn_query if self.attn_res else None)
     out = self.ffn(self.ffn_norm(h), None)[0] if self.is_moe else self.ffn(self.ffn_norm(h))

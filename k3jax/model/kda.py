@@ -74,24 +74,44 @@ class KDA(nnx.Module):
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:
     """y [B, T, d] and an empty aux (mixers return (y, aux), see `MLA`)."""
+    return self._forward(x, segment_ids, False)
+
+  def prefill(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:
+    """`__call__` on whole prompts (one document a row) that also returns the decoding
+    cache after them (`init_cache`'s layout): the final state and the last W - 1 tokens'
+    projections (zeros before the first token)."""
+    return self._forward(x, segment_ids, True)
+
+  def _forward(self, x, segment_ids, cache: bool):
     act = ("batch", "seq", "heads", "head_dim")
     spec = axes.logical_to_spec(act)   # where q/k/v live, for the kernels' shard_map
     where = dict(mesh=axes.current_mesh(), batch_axis=spec[0], head_axis=spec[2],
                  seq_axis=axes.split_axes("seq"))
 
+    projs = [p(x) for p in (self.q_proj, self.k_proj, self.v_proj)]       # [B, T, H, K]
+
     def conv(proj, weight, normalize):  # silu(short conv), L2-normalized for q and k
-      return constrain(conv_ops.short_conv(proj(x), weight[...], segment_ids,
+      return constrain(conv_ops.short_conv(proj, weight[...], segment_ids,
                                            normalize=normalize, backend=self.conv_backend,
                                            **where), act)
 
-    q, k = conv(self.q_proj, self.q_conv, True), conv(self.k_proj, self.k_conv, True)
-    v = conv(self.v_proj, self.v_conv, False)
+    q, k = conv(projs[0], self.q_conv, True), conv(projs[1], self.k_conv, True)
+    v = conv(projs[2], self.v_conv, False)
     beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
     o = kda_ops.kda(q, k, v, self.decay(x), beta, segment_ids=segment_ids,
-                    backend=self.backend, chunk_size=self.chunk_size or None, **where)
+                    backend=self.backend, chunk_size=self.chunk_size or None,
+                    output_final_state=cache, **where)
+    if cache:
+      o, state = o
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(
         self.gate_proj(x).astype(jnp.float32))
-    return constrain(self.o_proj(o.astype(x.dtype)), ("batch", "seq", "embed")), {}
+    y = constrain(self.o_proj(o.astype(x.dtype)), ("batch", "seq", "embed"))
+    if not cache:
+      return y, {}
+    w = self.q_conv.shape[0]
+    tail = jnp.stack(projs, 2)[:, -(w - 1):]                             # [B, <= W-1, 3, H, K]
+    tail = jnp.pad(tail, ((0, 0), (w - 1 - tail.shape[1], 0), (0, 0), (0, 0), (0, 0)))
+    return y, {"conv": tail, "state": state}
 
   def init_cache(self, batch: int, dtype) -> dict:
     """The decoding state of one row: {"conv": the last W - 1 tokens' q, k, v projections

@@ -136,6 +136,15 @@ class MLA(nnx.Module):
     heads, logit_max = self.heads(x, segment_ids)
     return constrain(self.w_o(heads), BTE), {"logit_max": logit_max}
 
+  def prefill(self, x: jax.Array, segment_ids: jax.Array, max_len: int
+              ) -> tuple[jax.Array, dict]:
+    """`__call__` on whole prompts that also returns the decoding cache (`init_cache`) of
+    `max_len` positions holding the prompts' latents."""
+    y, _ = self(x, segment_ids)
+    _, k, _ = self.project_absorbed(x)                                  # [B, T, 1, C + R]
+    latent = jnp.zeros((x.shape[0], max_len, k.shape[-1]), self.dtype)
+    return y, {"latent": latent.at[:, :x.shape[1]].set(k[:, :, 0].astype(self.dtype))}
+
   def init_cache(self, batch: int, max_len: int, dtype) -> dict:
     """The decoding cache of `max_len` positions a row: {"latent": [B, max_len, kv_lora +
     rope]}, each token's c_kv and shared key slot (the absorbed form's one key)."""
