@@ -55,10 +55,15 @@ def step(model: K3Model, tokens: jax.Array, cache: dict, pos: jax.Array):
   return _stack(model, x, lambda layer, s, c: layer.step(s, c, pos), cache)
 
 
-def prefill(model: K3Model, tokens: jax.Array, max_len: int):
-  """Whole prompts tokens [B, P] (one document a row), through the training kernels ->
-  (logits [B, P, vocab], the cache of `max_len` positions after them)."""
-  x = embedding.lookup(model.embed[...], tokens, model.dtype)
+def prefill(model: K3Model, tokens: jax.Array, max_len: int, media=None):
+  """Whole prompts tokens [B, P] (one document a row), through each layer's own forward ->
+  (logits [B, P, vocab], the cache of `max_len` positions after them). media: the
+  prompts' images (a PackedMedia, as `K3Model.embed_with_images` takes), whose features
+  replace the placeholder tokens."""
+  if media is None:
+    x = embedding.lookup(model.embed[...], tokens, model.dtype)
+  else:
+    x = model.embed_with_images(tokens, media)
   segment_ids = jnp.ones(tokens.shape, jnp.int32)
   return _stack(model, x, lambda layer, s, _: layer.prefill(s, segment_ids, max_len))
 
@@ -117,14 +122,15 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_k
 
 def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              eos_id: int | None, key: jax.Array, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0,
+             top_p: float = 1.0, media=None,
              on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
   """Continues each prompt (token ids, at least one) by up to `max_new_tokens` tokens,
   stopping a row at `eos_id` (kept in its output). The first min(prompt lengths) tokens go
   through `prefill` at once; then rows step together: a row still in its prompt is fed its
   next prompt token, the others their last sampled one (`sample`, key folded with the
-  position). on_token(row, id) is called for each new token as it comes. Returns the new
-  tokens of each row."""
+  position). media: the prompts' images (`prefill`); their placeholders must lie within
+  the prefilled tokens. on_token(row, id) is called for each new token as it comes.
+  Returns the new tokens of each row."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token (e.g. bos)")
   b, lengths = len(prompts), [len(p) for p in prompts]
@@ -136,8 +142,11 @@ def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
   run = jax.jit(lambda s, tok, c, pos: step(nnx.merge(graphdef, s), tok, c, pos))
   pick = jax.jit(lambda logits, k: sample(logits, k, temperature=temperature, top_k=top_k,
                                           top_p=top_p))
-  logits, cache = jax.jit(lambda s, tok: prefill(nnx.merge(graphdef, s), tok, max_len))(
-      state, jnp.asarray(tokens[:, :first]))
+  if media is not None and np.any(tokens[:, first:] == model.placeholder_id):
+    raise ValueError(f"generate: image placeholders past the first {first} tokens (the "
+                     "shortest prompt): put the images before that, or prompts of one length")
+  logits, cache = jax.jit(lambda s, tok, m: prefill(nnx.merge(graphdef, s), tok, max_len, m))(
+      state, jnp.asarray(tokens[:, :first]), media)
   last = logits[:, -1]                       # at position t, for token t + 1
   out: list[list[int]] = [[] for _ in range(b)]
   done = [max_new_tokens == 0] * b

@@ -140,3 +140,38 @@ def test_prefill_of_an_odd_length_then_steps_equals_the_forward():
     got.append(np.asarray(logits))
   got = np.concatenate(got, 1)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_an_image_prompt_decodes_as_the_forward_sees_it():
+  """micro_config with a small tower: a prompt holding an image's 4 placeholder tokens,
+  prefilled with the image, then stepped: the logits of the forward given the same image
+  within 1e-4; generate refuses placeholders it would only step through."""
+  from k3jax.model.vision_pos import pack, patchify  # noqa: PLC0415
+  c = micro_config()
+  m = c.model
+  m.moe.dispatch, m.kda.backend = "dropless", "naive"
+  v = m.vision
+  v.enabled, v.placeholder_id, v.attention = True, 63, "dense"
+  v.num_layers, v.width, v.num_heads, v.head_dim, v.mlp_dim = 2, 16, 2, 8, 32
+  v.patch_size, v.pos_grid, v.max_patches, v.max_media = 2, 4, 32, 2
+  model = random_model(m, model_cls=K3Model)
+  graphdef, state = nnx.split(model)
+  image = np.random.default_rng(3).uniform(-1, 1, (8, 8, 3)).astype(np.float32)
+  media, counts = pack([patchify(image, patch_size=2, merge=2)], max_patches=32, max_media=2,
+                       merge=2, temporal_pool=v.temporal_pool)
+  assert counts == [4]
+  tokens = jnp.asarray([[5, 63, 63, 63, 63, 9, 12, 30, 2]], jnp.int32)
+  want = np.asarray(jax.jit(lambda s, t, md: nnx.merge(graphdef, s)(t, jnp.ones_like(t), md)[0])(
+      state, tokens, media))
+  logits, cache = jax.jit(lambda s, t, md: decode.prefill(nnx.merge(graphdef, s), t, 10, md))(
+      state, tokens[:, :6], media)
+  got = [np.asarray(logits)]
+  one = jax.jit(lambda s, t, c, p: decode.step(nnx.merge(graphdef, s), t, c, p))
+  for t in range(6, 9):
+    logits, cache = one(state, tokens[:, t:t + 1], cache, jnp.full((1,), t, jnp.int32))
+    got.append(np.asarray(logits))
+  got = np.concatenate(got, 1)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  with pytest.raises(ValueError, match="image placeholders past the first 2 tokens"):
+    decode.generate(model, [[5, 9], [5, 63, 63, 63, 63]], max_new_tokens=1, eos_id=None,
+                    key=jax.random.key(0), media=media)
