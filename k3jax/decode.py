@@ -50,7 +50,8 @@ def init_cache(model: K3Model, batch: int, max_len: int) -> dict:
 def step(model: K3Model, tokens: jax.Array, cache: dict, pos: jax.Array):
   """tokens [B, 1] at positions pos [B] int32 -> (logits [B, 1, vocab], the cache after
   them): the logits the training forward gives at those positions of the rows' sequences
-  (teacher forcing), given the cache of the positions before."""
+  (teacher forcing), given the cache of the positions before. pos must be below the
+  cache's max_len (not checked under jit: an MLA layer would not store the token)."""
   x = embedding.lookup(model.embed[...], tokens, model.dtype)
   return _stack(model, x, lambda layer, s, c: layer.step(s, c, pos), cache)
 
