@@ -114,7 +114,7 @@ class KDA(nnx.Module):
     return y, {"conv": tail, "state": state}
 
   def init_cache(self, batch: int, dtype) -> dict:
-    """The decoding state of one row: {"conv": the last W - 1 tokens' q, k, v projections
+    """The decoding state of `batch` rows: {"conv": the last W - 1 tokens' q, k, v projections
     [B, W - 1, 3, H, K] (`dtype`), "state": the recurrence's [B, H, K, K] fp32}."""
     w, h, k = self.q_conv.shape[0], *self.dt_bias.shape
     return {"conv": jnp.zeros((batch, w - 1, 3, h, k), dtype),
