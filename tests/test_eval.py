@@ -1,5 +1,5 @@
-"""k3jax.eval: text scores and multiple-choice accuracy against the model's own log-softmax,
-the task file's errors, and the command on a checkpoint."""
+"""k3jax.scoring and python -m k3jax.eval: text scores and multiple-choice accuracy against
+the model's own log-softmax, the task file's errors, and the command on a checkpoint."""
 
 import json
 import math
@@ -15,7 +15,7 @@ from conftest import micro_config, random_model
 from flax import nnx
 
 from k3jax import data as k3data
-from k3jax import eval as k3eval
+from k3jax import scoring as k3eval
 from k3jax.model import K3Model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
