@@ -187,34 +187,21 @@ def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
   return handler
 
 
-def restore_weights(directory: str, abstract: Any, *, config_json: str, must_match=()):
-  """The (params, rest) of a weights checkpoint (`k3jax.convert.importer.write_weights`)
-  in `directory`, read into `abstract`'s shapes and shardings; its config must agree on
-  `must_match`. FileNotFoundError when `directory` holds none."""
-  if not epath.Path(directory).exists():
-    raise FileNotFoundError(f"config.train.init_from: {directory!r} does not exist")
-  ckpt = Checkpointer(directory, keep=1)
-  try:
-    got = ckpt.restore_latest(abstract, config_json=config_json, must_match=must_match)
-  finally:
-    ckpt.close()
-  if got is None:
-    raise FileNotFoundError(f"config.train.init_from: no weights checkpoint in {directory!r}")
-  return got.state
-
-
-def restore_params(workdir: str, abstract_state: tuple, *, config_json: str, must_match=()):
+def restore_params(workdir: str, abstract_state: tuple, *, config_json: str, must_match=(),
+                   field: str = "workdir"):
   """(step, params, rest) of the latest checkpoint in `workdir`, a run's (train state) or
-  a weights checkpoint's, read into the shapes and shardings of `abstract_state` (the
-  program's (params, rest, opt_state)); the optimizer state is not read back when the
-  checkpoint holds one. FileNotFoundError when `workdir` holds no checkpoint."""
+  a weights checkpoint's (`k3jax.convert.importer.write_weights`), read into the shapes
+  and shardings of `abstract_state` (the program's (params, rest, opt_state)); its config
+  must agree on `must_match`. The optimizer state is not read back. FileNotFoundError,
+  naming `field` (the flag or config field that gave the directory), when `workdir` holds
+  no checkpoint."""
   if not epath.Path(workdir).exists():
-    raise FileNotFoundError(f"{workdir}: no such directory")
+    raise FileNotFoundError(f"{field}: {workdir!r} does not exist")
   ckpt = Checkpointer(workdir, keep=1)
   try:
     step = ckpt.latest_step()
     if step is None:
-      raise FileNotFoundError(f"{workdir}: no checkpoint")
+      raise FileNotFoundError(f"{field}: no checkpoint in {workdir!r}")
     abstract = abstract_state if ckpt.holds_data(step) else abstract_state[:2]
     got = ckpt.restore_latest(abstract, config_json=config_json, must_match=must_match)
   finally:

@@ -268,6 +268,9 @@ RESTORE_FIELDS = (
     "model.vision.pos_grid", "model.vision.projector_hidden", "model.vision.projector_norm",
     "optimizer.name", "optimizer.muon.per_head", "optimizer.muon.router",
 )
+# Those that fix the model's parameters: what a checkpoint read for its weights alone
+# (train.init_from, generate, eval, export) must agree on.
+MODEL_RESTORE_FIELDS = tuple(f for f in RESTORE_FIELDS if f.startswith("model."))
 
 
 class ConfigError(ValueError):

@@ -21,10 +21,8 @@ import json
 import os
 
 from absl import app, flags, logging
-from flax import nnx
 
-from k3jax import checkpoint, cli, parallel, program
-from k3jax import config as k3config
+from k3jax import cli, program
 from k3jax import data as k3data
 from k3jax.data import sources
 from k3jax.scoring import Scorer, choice_scores, read_choices, text_scores
@@ -42,11 +40,8 @@ def main(argv):
   if not _WORKDIR.value or not (_TEXT.value or _CHOICES.value):
     raise app.UsageError("give --workdir and at least one of --text, --choices")
   cfg = cli.CONFIG.value
-  prog = program.build_once(cfg, parallel.make_mesh(cfg.mesh))
-  step, params, rest = checkpoint.restore_params(
-      _WORKDIR.value, prog.abstract_state, config_json=cfg.to_json(),
-      must_match=[f for f in k3config.RESTORE_FIELDS if f.startswith("model.")])
-  scorer = Scorer(nnx.merge(prog.graphdef, params, rest), cfg.train.seq_len + 1, _BATCH.value)
+  step, model = program.restored_model(cfg, _WORKDIR.value)
+  scorer = Scorer(model, cfg.train.seq_len + 1, _BATCH.value)
   tok = k3data.make_tokenizer(cfg.data.tokenizer)
   results = []
   if _TEXT.value:

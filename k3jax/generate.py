@@ -16,10 +16,8 @@ import sys
 
 import jax
 from absl import app, flags, logging
-from flax import nnx
 
-from k3jax import checkpoint, cli, decode, parallel, program
-from k3jax import config as k3config
+from k3jax import cli, decode, program
 from k3jax import data as k3data
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the run (or weights) directory to read.")
@@ -53,11 +51,7 @@ def main(argv):
     raise app.UsageError("--max_new_tokens and --temperature must be >= 0, --top_p in (0, 1]")
   cfg = cli.CONFIG.value
   prompts = read_prompts()
-  prog = program.build_once(cfg, parallel.make_mesh(cfg.mesh))
-  step, params, rest = checkpoint.restore_params(
-      _WORKDIR.value, prog.abstract_state, config_json=cfg.to_json(),
-      must_match=[f for f in k3config.RESTORE_FIELDS if f.startswith("model.")])
-  model = nnx.merge(prog.graphdef, params, rest)
+  step, model = program.restored_model(cfg, _WORKDIR.value)
   tok = k3data.make_tokenizer(cfg.data.tokenizer)
   ids = [[tok.bos_id, *tok.encode(p).tolist()] for p in prompts]
   print(f"# step {step} of {_WORKDIR.value}", file=sys.stderr, flush=True)

@@ -27,8 +27,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3jax import optim, parallel
-from k3jax.config import ConfigError, check_context, xla_options
+from k3jax import checkpoint, optim, parallel
+from k3jax.config import MODEL_RESTORE_FIELDS, ConfigError, check_context, xla_options
 from k3jax.data import MediaSpec, feature_shapes
 from k3jax.model import K3Model, axes
 from k3jax.steps import compute_dtypes, make_steps
@@ -192,3 +192,13 @@ def build_once(cfg, mesh: Mesh) -> Program:
       _BUILT.popitem(last=False)
   _BUILT.move_to_end(key)
   return _BUILT[key]
+
+
+def restored_model(cfg, workdir: str) -> tuple[int, K3Model]:
+  """(step, the config's model with the parameters of `workdir`'s latest checkpoint, a
+  run's or a weights checkpoint's), on the config's mesh: what generate and eval read."""
+  prog = build_once(cfg, parallel.make_mesh(cfg.mesh))
+  step, params, rest = checkpoint.restore_params(
+      workdir, prog.abstract_state, config_json=cfg.to_json(),
+      must_match=MODEL_RESTORE_FIELDS, field="--workdir")
+  return step, nnx.merge(prog.graphdef, params, rest)

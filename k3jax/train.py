@@ -192,10 +192,9 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
                                  must_match=k3config.RESTORE_FIELDS)
   if restored is None:
     if t.init_from:   # no random parameters made: they would double the peak memory
-      model_fields = tuple(f for f in k3config.RESTORE_FIELDS if f.startswith("model."))
-      params, rest = checkpoint.restore_weights(t.init_from, abs_state[:2],
-                                                config_json=config_json,
-                                                must_match=model_fields)
+      _, params, rest = checkpoint.restore_params(
+          t.init_from, abs_state, config_json=config_json,
+          must_match=k3config.MODEL_RESTORE_FIELDS, field="config.train.init_from")
       opt_state = jax.jit(prog.tx.init, out_shardings=prog.state_shardings[2])(params)
       say(f"init: parameters from {t.init_from}, fresh optimizer state")
     else:

@@ -51,7 +51,7 @@ def tpu_mesh(axis_names, shape=None, name=TOPOLOGY):
 def tiny_kernel_config():
   """micro_config cut to one hybrid cycle + the final MLA, with the KDA Pallas kernels and
   the Newton-Schulz kernel ("auto" picks Mosaic on TPU), bf16 compute; mesh data 2 x fsdp 2."""
-  from conftest import micro_config  # noqa: PLC0415
+  from conftest import micro_config
   from k3jax import config as k3config
   cfg = micro_config()
   with cfg.unlocked():

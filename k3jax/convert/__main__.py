@@ -56,7 +56,7 @@ def export_release(cfg, workdir: str, out: str) -> None:
   prog = program.build_once(cfg, parallel.make_mesh(cfg.mesh))
   step, params, rest = checkpoint.restore_params(
       workdir, prog.abstract_state, config_json=cfg.to_json(),
-      must_match=[f for f in k3config.RESTORE_FIELDS if f.startswith("model.")])
+      must_match=k3config.MODEL_RESTORE_FIELDS, field="--workdir")
   flat = {}
   for tree in (params, rest):
     for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from k3jax.convert.layout import (BF16, Rule, dense_weight, linear, one_tensor, torch_weight,
-                                  vector_weight)
+                                  vector_weight, whole)
 
 TOWER, PROJECTOR = "vision_tower.", "mm_projector."
 BLOCKS = TOWER + "encoder.blocks."
@@ -36,16 +36,9 @@ def global_rules(m) -> list[Rule]:
   check_release_form(v)
   p, w, merged = v.patch_size, v.width, v.merge * v.merge * v.width
 
-  def patch_load(src):
-    def read(box):   # kernel [P * P * 3, width] from the conv [width, 3, P, P]
-      conv = np.asarray(src(None))
-      kernel = conv.transpose(2, 3, 1, 0).reshape(p * p * 3, w)
-      return kernel[tuple(slice(a, b) for a, b in box)]
-    return read
-
-  return [
+  return [   # the patch kernel [P * P * 3, width] from the conv [width, 3, P, P]
       one_tensor("vision/patch_embed/kernel", TOWER + "patch_embed.proj.weight", BF16, (w, 3, p, p),
-                 patch_load,
+                 whole(lambda conv: conv.transpose(2, 3, 1, 0).reshape(p * p * 3, w)),
                  lambda k: k.reshape(p, p, 3, w).transpose(3, 2, 0, 1).astype(BF16)),
       one_tensor("vision/pos_table", TOWER + "patch_embed.pos_emb.weight", BF16,
                  (v.pos_grid, v.pos_grid, w), lambda src: src, lambda t: t.astype(BF16)),

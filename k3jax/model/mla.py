@@ -114,9 +114,13 @@ class MLA(nnx.Module):
     w_uk = self.wkv_b.kernel[...][..., :self.nope].astype(self.dtype)  # [kv_lora, H, nope]
     q_lat = jnp.einsum("bthn,chn->bthc", q[..., :self.nope], w_uk)
     q = constrain(jnp.concatenate([q_lat, q[..., self.nope:]], axis=-1), BTHD)
-    c_kv = self.kv_norm(kv_a[..., :self.kv_lora])[:, :, None, :]       # [B, T, 1, kv_lora]
-    k = jnp.concatenate([c_kv, kv_a[..., None, self.kv_lora:]], axis=-1)
-    return q, constrain(k, SHARED_KV), constrain(c_kv, SHARED_KV)
+    k = self._latent(kv_a)[:, :, None, :]                              # [B, T, 1, C + R]
+    return q, constrain(k, SHARED_KV), constrain(k[..., :self.kv_lora], SHARED_KV)
+
+  def _latent(self, kv_a: jax.Array) -> jax.Array:
+    """x W_kva [B, T, kv_lora + rope] -> the absorbed form's key [RMSNorm(c_kv), k_r]."""
+    c_kv = self.kv_norm(kv_a[..., :self.kv_lora])
+    return jnp.concatenate([c_kv, kv_a[..., self.kv_lora:]], axis=-1)
 
   def heads(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Gated per-head outputs before W_o [B, T, H, v], and the max logit per head [H]."""
@@ -141,9 +145,9 @@ class MLA(nnx.Module):
     """`__call__` on whole prompts that also returns the decoding cache (`init_cache`) of
     `max_len` positions holding the prompts' latents."""
     y, _ = self(x, segment_ids)
-    _, k, _ = self.project_absorbed(x)                                  # [B, T, 1, C + R]
+    k = self._latent(self.wkv_a(x.astype(self.dtype)))                  # [B, T, C + R]
     latent = jnp.zeros((x.shape[0], max_len, k.shape[-1]), self.dtype)
-    return y, {"latent": latent.at[:, :x.shape[1]].set(k[:, :, 0].astype(self.dtype))}
+    return y, {"latent": latent.at[:, :x.shape[1]].set(k.astype(self.dtype))}
 
   def init_cache(self, batch: int, max_len: int, dtype) -> dict:
     """The decoding cache of `max_len` positions a row: {"latent": [B, max_len, kv_lora +
