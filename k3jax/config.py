@@ -178,6 +178,11 @@ def base_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   t.eval_every = 1_000
   t.eval_batches = 4
+  # Tasks scored at each eval as well (`k3jax.scoring`, what `python -m k3jax.eval` runs),
+  # comma-separated; "": none. Text files (globs) for bits per byte, multiple-choice JSONL
+  # files for accuracy; sequences of seq_len + 1 tokens, a microbatch's rows at once.
+  t.eval_text = ""
+  t.eval_choices = ""
   t.checkpoint_every = 1_000
   t.keep_checkpoints = 3       # the newest N checkpoints are kept
   t.keep_checkpoint_every = 0  # and, for good, every step that is a multiple of this (0: none)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.model import attn_res, embedding
+from k3jax.model import attn_res, axes, embedding
 from k3jax.model.k3 import K3Model
 
 
@@ -51,9 +51,12 @@ def step(model: K3Model, tokens: jax.Array, cache: dict, pos: jax.Array):
   """tokens [B, 1] at positions pos [B] int32 -> (logits [B, 1, vocab], the cache after
   them): the logits the training forward gives at those positions of the rows' sequences
   (teacher forcing), given the cache of the positions before. pos must be below the
-  cache's max_len (not checked under jit: an MLA layer would not store the token)."""
-  x = embedding.lookup(model.embed[...], tokens, model.dtype)
-  return _stack(model, x, lambda layer, s, c: layer.step(s, c, pos), cache)
+  cache's max_len (not checked under jit: an MLA layer would not store the token). Each
+  layer writes only its token's entry into the cache (`Layer.write_cache`): with the cache
+  donated, nothing else of it is copied."""
+  with axes.unsplit("seq"):               # one position a row: not split over `context`
+    x = embedding.lookup(model.embed[...], tokens, model.dtype)
+    return _stack(model, x, lambda layer, s, c: layer.step(s, c, pos), cache, pos)
 
 
 def prefill(model: K3Model, tokens: jax.Array, max_len: int, media=None):
@@ -69,32 +72,47 @@ def prefill(model: K3Model, tokens: jax.Array, max_len: int, media=None):
   return _stack(model, x, lambda layer, s, _: layer.prefill(s, segment_ids, max_len))
 
 
-def _stack(model: K3Model, x: jax.Array, layer_fn, cache: dict | None = None):
-  """The stack on embeddings x [B, T, d], each layer through
-  layer_fn(layer, stream, its cache or None) -> (stream, its new cache) -> (logits, cache)."""
+def _stack(model: K3Model, x: jax.Array, layer_fn, cache: dict | None = None, pos=None):
+  """The stack on embeddings x [B, T, d] -> (logits, cache). Without a cache (prefill)
+  layer_fn(layer, stream, None) -> (stream, the layer's cache); with one (a step at pos)
+  layer_fn(layer, stream, the layer's cache) -> (stream, its entry), written into the cache
+  by `Layer.write_cache`; the scanned cycles' caches ride in the scan's carry, each layer's
+  entry written at its cycle's index."""
   stream = attn_res.init_state(x, model.num_slots) if model.use_attn_res else x
   new = {"prefix": [], "cycles": [], "suffix": []}
+
+  def apply(layer, stream, full, index=()):
+    if cache is None:
+      return layer_fn(layer, stream, None)
+    stream, entry = layer_fn(layer, stream, jax.tree.map(lambda a: a[index], full))
+    return stream, layer.write_cache(full, entry, pos, index)
 
   def group(name, layers):
     nonlocal stream
     for i, layer in enumerate(layers):
-      stream, c = layer_fn(layer, stream, None if cache is None else cache[name][i])
+      stream, c = apply(layer, stream, None if cache is None else cache[name][i])
       new[name].append(c)
 
   group("prefix", model.prefix)
   if model.cycles is not None:
     graphdef, state = nnx.split(model.cycles)
-
-    def body(stream, xs):
-      cycle_state, cycle_cache = xs
-      out = []
-      for j, layer in enumerate(nnx.merge(graphdef, cycle_state).layers):
-        stream, c = layer_fn(layer, stream, None if cycle_cache is None else cycle_cache[j])
-        out.append(c)
-      return stream, out
-
-    stream, new["cycles"] = jax.lax.scan(
-        body, stream, (state, None if cache is None else cache["cycles"]))
+    if cache is None:
+      def collect(stream, cycle_state):
+        out = []
+        for layer in nnx.merge(graphdef, cycle_state).layers:
+          stream, c = apply(layer, stream, None)
+          out.append(c)
+        return stream, out
+      stream, new["cycles"] = jax.lax.scan(collect, stream, state)
+    else:
+      def carry(carried, cycle_state):
+        stream, caches, i = carried
+        caches = list(caches)
+        for j, layer in enumerate(nnx.merge(graphdef, cycle_state).layers):
+          stream, caches[j] = apply(layer, stream, caches[j], (i,))
+        return (stream, caches, i + 1), None
+      (stream, new["cycles"], _), _ = jax.lax.scan(
+          carry, (stream, cache["cycles"], jnp.zeros((), jnp.int32)), state)
   group("suffix", model.suffix)
   h = attn_res.read(stream, model.out_query) if model.use_attn_res else stream
   return model.logits(model.final_norm(h)), new
@@ -140,7 +158,8 @@ def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   graphdef, state = nnx.split(model)
-  run = jax.jit(lambda s, tok, c, pos: step(nnx.merge(graphdef, s), tok, c, pos))
+  run = jax.jit(lambda s, tok, c, pos: step(nnx.merge(graphdef, s), tok, c, pos),
+                donate_argnums=(2,))                 # the cache: updated in place
   pick = jax.jit(lambda logits, k: sample(logits, k, temperature=temperature, top_k=top_k,
                                           top_p=top_p))
   if media is not None and np.any(tokens[:, first:] == model.placeholder_id):

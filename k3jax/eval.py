@@ -18,14 +18,11 @@ Results go to the console and, with --out, one JSON line per task.
 from __future__ import annotations
 
 import json
-import os
 
 from absl import app, flags, logging
 
-from k3jax import cli, program
+from k3jax import cli, program, scoring
 from k3jax import data as k3data
-from k3jax.data import sources
-from k3jax.scoring import Scorer, choice_scores, read_choices, text_scores
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "the run (or weights) directory to read.")
 _TEXT = flags.DEFINE_list("text", [], "glob patterns of text files to score.")
@@ -40,20 +37,10 @@ def main(argv):
   if not _WORKDIR.value or not (_TEXT.value or _CHOICES.value):
     raise app.UsageError("give --workdir and at least one of --text, --choices")
   cfg = cli.CONFIG.value
+  tasks = scoring.Tasks(_TEXT.value, _CHOICES.value)
   step, model = program.restored_model(cfg, _WORKDIR.value)
-  scorer = Scorer(model, cfg.train.seq_len + 1, _BATCH.value)
   tok = k3data.make_tokenizer(cfg.data.tokenizer)
-  results = []
-  if _TEXT.value:
-    files = sources.expand_paths(_TEXT.value, "--text")
-    docs = []
-    for path in files:
-      fmt = {".jsonl": "jsonl", ".parquet": "parquet"}.get(os.path.splitext(path)[1], "text")
-      docs += list(sources.read_documents(path, {"format": fmt, "separator": None,
-                                                 "text_field": "text", "column": "text"}))
-    results.append({"task": "text", "files": len(files), **text_scores(scorer, tok, docs)})
-  for path in _CHOICES.value:
-    results.append({"task": path, **choice_scores(scorer, tok, read_choices(path))})
+  results = tasks.run(scoring.Scorer(model, cfg.train.seq_len + 1, _BATCH.value), tok)
   for r in results:
     r["step"] = step
     print(json.dumps(r), flush=True)

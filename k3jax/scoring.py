@@ -1,17 +1,21 @@
 """Scoring a model: log-likelihoods of token sequences, text scores (loss, perplexity, bits
 per byte) and multiple-choice accuracy. `python -m k3jax.eval` is the command around it
-(its module docstring describes the tasks)."""
+(its module docstring describes the tasks); `k3jax.train` runs the same `Tasks` every
+`train.eval_every` steps."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from k3jax.data import sources
 
 
 class Scorer:
@@ -20,6 +24,7 @@ class Scorer:
   def __init__(self, model, length: int, batch: int):
     graphdef, state = nnx.split(model)
     self.length, self.batch, self.state = length, batch, state
+    self.graphdef = graphdef
 
     @jax.jit
     def logprobs(state, tokens, segment_ids):     # [B, T] -> log p(token t + 1) [B, T - 1]
@@ -27,6 +32,12 @@ class Scorer:
       logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
       return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     self._logprobs = logprobs
+
+  def load(self, model) -> None:
+    """Score with `model`'s parameters from now on (the same structure: no recompile)."""
+    graphdef, self.state = nnx.split(model)
+    if graphdef != self.graphdef:
+      raise ValueError("Scorer.load: a model of another structure than the scorer's")
 
   def __call__(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
     """log p of each token after the first, per sequence ([len - 1] float64 each)."""
@@ -107,3 +118,53 @@ def choice_scores(scorer: Scorer, tok, items: Sequence[dict]) -> dict:
   acc, n = right / len(items), len(items)
   return {"items": n, "accuracy": acc, "accuracy_stderr": math.sqrt(acc * (1 - acc) / n),
           "accuracy_per_byte": right_norm / n}
+
+
+def read_texts(files: Sequence[str]) -> list[str]:
+  """The documents of text files: plain text one document a file, `.jsonl` / `.parquet`
+  by extension (their "text" field / column)."""
+  docs = []
+  for path in files:
+    fmt = {".jsonl": "jsonl", ".parquet": "parquet"}.get(os.path.splitext(path)[1], "text")
+    docs += list(sources.read_documents(path, {"format": fmt, "separator": None,
+                                               "text_field": "text", "column": "text"}))
+  return docs
+
+
+class Tasks:
+  """Text files scored for bits per byte and multiple-choice JSONL files, read and checked
+  once (a missing or malformed file is an error here, naming the field or flag that gave
+  it: `fields`, text's and choices'), scored on any model by `run`."""
+
+  def __init__(self, text: Sequence[str], choices: Sequence[str],
+               fields: tuple[str, str] = ("--text", "--choices")):
+    self.files = sources.expand_paths(text, fields[0]) if text else []
+    self.documents = read_texts(self.files)
+    self.choices = {}
+    for path in choices:
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"{fields[1]}: no file {path!r}")
+      self.choices[path] = read_choices(path)
+
+  def run(self, scorer: Scorer, tok) -> list[dict]:
+    """One result a task: {"task": "text" or the JSONL path, and its scores}."""
+    results = []
+    if self.files:
+      results.append({"task": "text", "files": len(self.files),
+                      **text_scores(scorer, tok, self.documents)})
+    for path, items in self.choices.items():
+      results.append({"task": path, **choice_scores(scorer, tok, items)})
+    return results
+
+
+def as_scalars(results: Sequence[dict]) -> dict[str, float]:
+  """`Tasks.run`'s results as metrics: eval_<task>_<score>, a JSONL task named by its file
+  name without the extension."""
+  out = {}
+  for r in results:
+    name = "text" if r["task"] == "text" else os.path.splitext(os.path.basename(r["task"]))[0]
+    for key in ("loss", "perplexity", "bits_per_byte", "accuracy", "accuracy_stderr",
+                "accuracy_per_byte"):
+      if key in r:
+        out[f"eval_{name}_{key}"] = float(r[key])
+  return out

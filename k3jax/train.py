@@ -23,9 +23,10 @@ import time
 import jax
 import numpy as np
 from absl import app, flags, logging
+from flax import nnx
 from jax.sharding import NamedSharding
 
-from k3jax import checkpoint, cli, flops, memory, metrics, optim, parallel, program
+from k3jax import checkpoint, cli, flops, memory, metrics, optim, parallel, program, scoring
 from k3jax import config as k3config
 from k3jax import data as k3data
 from k3jax.model import K3Model
@@ -156,6 +157,7 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
     k3data.check_vocab(tokenizer, cfg.model.vocab_size)
   except ValueError as e:
     raise k3config.ConfigError(str(e)) from None
+  tasks = eval_tasks(t)
   say(f"k3jax: jax {jax.__version__}, {jax.process_count()} process(es), "
       f"{jax.device_count()} device(s): {jax.devices()[0].device_kind} "
       f"({jax.default_backend()})")
@@ -266,7 +268,15 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
           loss = evaluate(cfg, eval_step, params, rest, batch_shardings)
         heartbeat.done()
         say(f"eval  {step:>6}  held-out loss {loss:.4f}")
-        writer.write_scalars(step, {"eval_loss": loss})
+        scores = {"eval_loss": loss}
+        if tasks is not None:
+          heartbeat.start(f"eval tasks at step {step}")
+          with prog.rules():
+            scores.update(tasks(nnx.merge(prog.graphdef, params, rest), tokenizer))
+          heartbeat.done()
+          say(f"eval  {step:>6}  " + "  ".join(f"{k[5:]} {v:.4f}" for k, v in scores.items()
+                                                if k != "eval_loss"))
+        writer.write_scalars(step, scores)
         window_t0 = time.time()
       preempted = preemption.reached(step, ckpt)
       if step % t.checkpoint_every == 0 or step == last or preempted:
@@ -285,6 +295,31 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   say(f"done: step {step}, {run_steps} steps this run in "
       f"{metrics.format_duration(time.time() - run_t0)}")
   return params, rest
+
+
+def eval_tasks(t):
+  """train.eval_text / eval_choices read and checked now (ConfigError naming the field),
+  as a function (model, tokenizer) -> {eval_<task>_<score>: value} that scores them in
+  rows of a microbatch (one compile, reused at every eval); None without tasks."""
+  if not (t.eval_text or t.eval_choices):
+    return None
+  def split(spec):
+    return [p.strip() for p in spec.split(",") if p.strip()]
+  try:
+    tasks = scoring.Tasks(split(t.eval_text), split(t.eval_choices),
+                          ("config.train.eval_text", "config.train.eval_choices"))
+  except (OSError, ValueError) as e:
+    raise k3config.ConfigError(str(e)) from None
+  scorer = None
+
+  def run(model, tokenizer) -> dict[str, float]:
+    nonlocal scorer
+    if scorer is None:
+      scorer = scoring.Scorer(model, t.seq_len + 1, t.global_batch // t.microbatches)
+    else:
+      scorer.load(model)
+    return scoring.as_scalars(tasks.run(scorer, tokenizer))
+  return run
 
 
 def evaluate(cfg, eval_step, params, rest, shardings) -> float:

@@ -137,6 +137,7 @@ def assert_prefill_then_steps_equal_the_forward(graphdef, state, tokens, *, pref
     got.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(got, 1), want, rtol=1e-4,
                              atol=1e-4 * np.abs(want).max())
+  return cache
 
 
 def test_prefill_of_an_odd_length_then_steps_equals_the_forward():
@@ -175,3 +176,35 @@ def test_an_image_prompt_decodes_as_the_forward_sees_it():
   with pytest.raises(ValueError, match="image placeholders past the first 2 tokens"):
     decode.generate(model, [[5, 9], [5, 63, 63, 63, 63]], max_new_tokens=1, eos_id=None,
                     key=jax.random.key(0), media=media)
+
+
+def test_a_cache_sharded_on_a_mesh_decodes_as_the_forward():
+  """8 devices as data 2 x context 2 x tensor 2, the parameters sharded by the mesh rules:
+  a prefill of 8 tokens then 4 steps give the forward's logits (1e-4), and the cache is
+  split like the activations: rows over data, KDA's heads over tensor, MLA's cached
+  positions over context."""
+  from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
+  from k3jax import parallel  # noqa: PLC0415
+  from k3jax.model.axes import use_rules  # noqa: PLC0415
+  c = micro_config()
+  c.model.moe.dispatch, c.model.kda.backend = "dropless", "naive"
+  model = random_model(c.model, model_cls=K3Model)
+  graphdef, state = nnx.split(model)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(1, 64, (2, 12)), jnp.int32)
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 1, 1, 2, 2), parallel.MESH_AXES)
+  with use_rules(mesh, parallel.RULES):
+    state = jax.device_put(state, parallel.shardings(mesh, state))
+    tokens = jax.device_put(tokens, NamedSharding(mesh, parallel.batch_spec()))
+    cache = assert_prefill_then_steps_equal_the_forward(graphdef, state, tokens, prefilled=8,
+                                                        max_len=12)
+  kinds = {"latent": 0, "state": 0}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+    name, spec = path[-1].key, leaf.sharding.spec
+    spec = (*spec, *[None] * (leaf.ndim - len(spec)))[-(leaf.ndim if path[0].key != "cycles"
+                                                       else leaf.ndim - 1):]
+    if name == "latent":
+      assert "data" in str(spec[0]) and spec[1] == "context", (path, spec)
+    elif name == "state":
+      assert "data" in str(spec[0]) and spec[1] == "tensor", (path, spec)
+    kinds[name] = kinds.get(name, 0) + 1
+  assert kinds["latent"] and kinds["state"]

@@ -11,6 +11,8 @@ from conftest import micro_config
 from flax import nnx
 
 from k3jax import config as k3config
+from k3jax import data as k3data
+from k3jax import parallel, program, scoring
 from k3jax import train as k3train
 
 
@@ -35,22 +37,36 @@ def losses(workdir):
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def with_tasks(c, directory):
+  """c scoring a text file and a multiple-choice file at each eval."""
+  text, choices = os.path.join(directory, "held.txt"), os.path.join(directory, "mc.jsonl")
+  with open(text, "w") as f:
+    f.write("The quick brown fox jumps over the lazy dog. " * 3)
+  with open(choices, "w") as f:
+    for ctx in ("The cat", "A dog", "Some birds"):
+      f.write(json.dumps({"context": ctx, "choices": [" sat.", " flew away."], "answer": 1})
+              + "\n")
+  c.train.eval_text, c.train.eval_choices = text, choices
+  return c
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("uninterrupted"))
-  params, rest = k3train.train(train_config(), workdir)
-  return workdir, params, rest
+  c = with_tasks(train_config(), str(tmp_path_factory.mktemp("tasks")))
+  params, rest = k3train.train(c, workdir)
+  return workdir, params, rest, c
 
 
 def test_loss_falls(uninterrupted):
-  workdir, _, _ = uninterrupted
+  workdir, *_ = uninterrupted
   got = losses(workdir)
   assert sorted(got) == list(range(1, 13))
   assert got[12] < got[1] - 0.5, got
 
 
 def test_resumed_run_equals_uninterrupted(uninterrupted, tmp_path):
-  workdir, params, rest = uninterrupted
+  workdir, params, rest, _ = uninterrupted
   resumed = str(tmp_path)
   k3train.train(train_config(), resumed, stop_after=5)  # stops at step 5, saved there
   assert sorted(losses(resumed)) == list(range(1, 6))
@@ -67,3 +83,33 @@ def test_vocab_smaller_than_tokenizer_is_refused(tmp_path):
   c.model.vocab_size = 100
   with pytest.raises(k3config.ConfigError, match="vocab_size"):
     k3train.train(c, str(tmp_path))
+
+
+def test_eval_tasks_are_scored_every_eval_every(uninterrupted):
+  """train.eval_text / eval_choices: scored at each eval (steps 6 and 12), the last with the
+  numbers k3jax.scoring (what python -m k3jax.eval runs) gives the final parameters."""
+  workdir, params, rest, c = uninterrupted
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  evals = {r["step"]: r for r in rows if "eval_text_bits_per_byte" in r}
+  assert sorted(evals) == [6, 12]
+  assert evals[6]["eval_text_bits_per_byte"] != evals[12]["eval_text_bits_per_byte"]
+  prog = program.build_once(c, parallel.make_mesh(c.mesh))
+  tok = k3data.make_tokenizer(c.data.tokenizer)
+  with prog.rules():
+    scorer = scoring.Scorer(nnx.merge(prog.graphdef, params, rest), c.train.seq_len + 1, 8)
+    want = scoring.as_scalars(scoring.Tasks([c.train.eval_text], [c.train.eval_choices])
+                              .run(scorer, tok))
+  assert set(want) == {k for k in evals[12] if k.startswith("eval_") and k != "eval_loss"}
+  assert "eval_mc_accuracy" in want and "eval_text_perplexity" in want
+  for k, v in want.items():
+    np.testing.assert_allclose(evals[12][k], v, rtol=1e-6, err_msg=k)
+
+
+def test_missing_eval_task_file_is_refused_before_anything_is_written(tmp_path):
+  c = with_tasks(train_config(), str(tmp_path))
+  c.train.eval_choices = str(tmp_path / "absent.jsonl")
+  workdir = tmp_path / "run"
+  with pytest.raises(k3config.ConfigError, match="config.train.eval_choices.*absent.jsonl"):
+    k3train.train(c, str(workdir))
+  assert not workdir.exists()

@@ -12,7 +12,7 @@ to mesh axes; the model never names a device axis.
   mlp        FFN intermediate width          experts    routed experts
   latent     LatentMoE latent width          gate_rank  KDA low-rank decay width
   conv       short-conv taps                 layers     stacked (scanned) layers
-  sources    AttnRes sources
+  sources    AttnRes sources                 cache_seq  a decoding cache's positions
 """
 
 from __future__ import annotations
@@ -64,6 +64,17 @@ def use_rules(mesh: Mesh, rules: Sequence[tuple[str, str | tuple[str, ...] | Non
     _ctx.mesh, _ctx.rules = old
 
 
+@contextlib.contextmanager
+def unsplit(*names: str):
+  """Within the block, the installed rules split none of the logical axes `names` (a
+  decoding step's one position a row is not split over `context`; its cache's are)."""
+  if _ctx.mesh is None:
+    yield
+    return
+  with use_rules(_ctx.mesh, {**_ctx.rules, **dict.fromkeys(names)}.items()):
+    yield
+
+
 def current_mesh() -> Mesh | None:
   """The mesh installed by `use_rules`, or None outside it."""
   return _ctx.mesh
@@ -108,6 +119,11 @@ def split_axes(name: str) -> str | tuple[str, ...] | None:
   if split_ways(name) == 1:
     return None
   return logical_to_spec((name,))[0]
+
+
+def constrain_each(values: dict, names: dict[str, AxisNames]) -> dict:
+  """`constrain` on each array of a dict by the names under its key (a decoding cache)."""
+  return {key: constrain(x, names[key]) for key, x in values.items()}
 
 
 def constrain(x: jax.Array, names: AxisNames) -> jax.Array:

@@ -114,8 +114,12 @@ class Layer(nnx.Module):
 
   def step(self, stream, cache: dict, pos: jax.Array):
     """One token a row (decoding): the stream of [B, 1] positions at pos [B], the mixer's
-    cache (`init_cache`) -> (stream, cache after the token)."""
+    cache (`init_cache`) -> (stream, the token's entry for `write_cache`)."""
     return self._decode(stream, lambda h: self.mixer.step(h, cache, pos))
+
+  def write_cache(self, cache: dict, entry: dict, pos: jax.Array, index: tuple = ()) -> dict:
+    """The cache after `step`'s token (the mixer's `write`)."""
+    return self.mixer.write(cache, entry, pos, index)
 
   def prefill(self, stream, segment_ids: jax.Array, max_len: int):
     """Whole prompts (one document a row) -> (stream, the mixer's decoding cache after

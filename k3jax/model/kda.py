@@ -19,6 +19,10 @@ from k3jax.model.axes import constrain
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import short_conv as conv_ops
 
+# The decoding cache (`init_cache`) split like the activations: rows and heads.
+CACHE_AXES = {"conv": ("batch", None, None, "heads", "head_dim"),
+              "state": ("batch", "heads", None, None)}
+
 
 def _conv_init(key, shape, dtype):
   bound = 1.0 / math.sqrt(shape[0])  # fan-in of a depthwise tap stack
@@ -111,19 +115,19 @@ class KDA(nnx.Module):
     w = self.q_conv.shape[0]
     tail = jnp.stack(projs, 2)[:, -(w - 1):]                             # [B, <= W-1, 3, H, K]
     tail = jnp.pad(tail, ((0, 0), (w - 1 - tail.shape[1], 0), (0, 0), (0, 0), (0, 0)))
-    return y, {"conv": tail, "state": state}
+    return y, axes.constrain_each({"conv": tail, "state": state}, CACHE_AXES)
 
   def init_cache(self, batch: int, dtype) -> dict:
     """The decoding state of `batch` rows: {"conv": the last W - 1 tokens' q, k, v projections
     [B, W - 1, 3, H, K] (`dtype`), "state": the recurrence's [B, H, K, K] fp32}."""
     w, h, k = self.q_conv.shape[0], *self.dt_bias.shape
-    return {"conv": jnp.zeros((batch, w - 1, 3, h, k), dtype),
-            "state": jnp.zeros((batch, h, k, k), jnp.float32)}
+    return axes.constrain_each({"conv": jnp.zeros((batch, w - 1, 3, h, k), dtype),
+                                "state": jnp.zeros((batch, h, k, k), jnp.float32)}, CACHE_AXES)
 
   def step(self, x: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
-    """One token a row: x [B, 1, d] -> (y [B, 1, d], the cache after it); what `__call__`
-    computes at that position after the tokens the cache has seen. pos is unused (the
-    state holds the past)."""
+    """One token a row: x [B, 1, d] -> (y [B, 1, d], the entry for `write`: the cache after
+    it); what `__call__` computes at that position after the tokens the cache has seen.
+    pos is unused (the state holds the past)."""
     del pos
     projs = [p(x) for p in (self.q_proj, self.k_proj, self.v_proj)]          # [B, 1, H, K]
     window = jnp.concatenate([cache["conv"], jnp.stack(projs, 2).astype(
@@ -138,3 +142,10 @@ class KDA(nnx.Module):
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(
         self.gate_proj(x).astype(jnp.float32))
     return self.o_proj(o.astype(x.dtype)), {"conv": window[:, 1:], "state": state}
+
+  def write(self, cache: dict, entry: dict, pos: jax.Array, index: tuple = ()) -> dict:
+    """The cache after `step`: its entry (the whole state and conv tail) replaces the old
+    one; index: positions in leading (stacked layer) axes."""
+    del pos
+    return {key: axes.constrain(cache[key].at[index].set(entry[key].astype(cache[key].dtype)),
+                                (None,) * len(index) + CACHE_AXES[key]) for key in cache}

@@ -39,6 +39,9 @@ BTE = ("batch", "seq", "embed")
 BTHD = ("batch", "seq", "heads", "head_dim")
 KV = ("batch", "kv_seq", "heads", "head_dim")   # keys and values: all positions of a row
 SHARED_KV = ("batch", "kv_seq", None, "head_dim")  # the absorbed form's one key / value "head"
+# The decoding cache: rows, and the cached positions as a sequence's (split over `context`,
+# each device attending over its part of every row's past)
+CACHE_AXES = {"latent": ("batch", "cache_seq", None)}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
@@ -147,30 +150,43 @@ class MLA(nnx.Module):
     y, _ = self(x, segment_ids)
     k = self._latent(self.wkv_a(x.astype(self.dtype)))                  # [B, T, C + R]
     latent = jnp.zeros((x.shape[0], max_len, k.shape[-1]), self.dtype)
-    return y, {"latent": latent.at[:, :x.shape[1]].set(k.astype(self.dtype))}
+    return y, axes.constrain_each(
+        {"latent": latent.at[:, :x.shape[1]].set(k.astype(self.dtype))}, CACHE_AXES)
 
   def init_cache(self, batch: int, max_len: int, dtype) -> dict:
     """The decoding cache of `max_len` positions a row: {"latent": [B, max_len, kv_lora +
     rope]}, each token's c_kv and shared key slot (the absorbed form's one key)."""
-    return {"latent": jnp.zeros((batch, max_len, self.kv_lora + self.rope), dtype)}
+    return axes.constrain_each(
+        {"latent": jnp.zeros((batch, max_len, self.kv_lora + self.rope), dtype)}, CACHE_AXES)
 
   def step(self, x: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
-    """One token a row at positions pos [B] int32: x [B, 1, d] -> (y [B, 1, d], the cache
-    with the token's latent at pos). The absorbed form (module docstring) over the cache's
-    positions <= pos: kv_lora + rope values read a cached token."""
+    """One token a row at positions pos [B] int32: x [B, 1, d] -> (y [B, 1, d], the token's
+    entry {"latent": [B, kv_lora + rope]} for `write`). The absorbed form (module docstring)
+    over the cache's positions < pos and the token itself: kv_lora + rope values read a
+    cached token. The cache is only read, in its own dtype with fp32 sums."""
+    latent = cache["latent"]                                             # [B, L, C + R]
     q, k, _ = self.project_absorbed(x)                     # [B, 1, H, C + R], [B, 1, 1, C + R]
-    slots = jnp.arange(cache["latent"].shape[1])
-    here = (slots[None, :] == pos[:, None])[..., None]     # [B, L, 1]
-    latent = jnp.where(here, k[:, 0].astype(cache["latent"].dtype), cache["latent"])
-    scores = jnp.einsum("bhc,blc->bhl", q[:, 0].astype(jnp.float32),
-                        latent.astype(jnp.float32)) * self.scale
-    seen = (slots[None, :] <= pos[:, None])[:, None, :]
-    p = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
-    o = jnp.einsum("bhl,blc->bhc", p, latent[..., :self.kv_lora].astype(jnp.float32))
+    q, k = q[:, 0].astype(latent.dtype), k[:, 0, 0].astype(latent.dtype)
+    scores = jnp.einsum("bhc,blc->bhl", q, latent, preferred_element_type=jnp.float32)
+    past = (jnp.arange(latent.shape[1])[None, :] < pos[:, None])[:, None, :]
+    own = jnp.einsum("bhc,bc->bh", q, k, preferred_element_type=jnp.float32)[..., None]
+    p = jax.nn.softmax(jnp.concatenate([jnp.where(past, scores, -jnp.inf), own], -1) *
+                       self.scale, axis=-1)
+    o = jnp.einsum("bhl,blc->bhc", p[..., :-1].astype(latent.dtype), latent[..., :self.kv_lora],
+                   preferred_element_type=jnp.float32)
+    o = o + p[..., -1:] * k[:, None, :self.kv_lora].astype(jnp.float32)
     w_uv = self.wkv_b.kernel[...][..., self.nope:].astype(jnp.float32)   # [kv_lora, H, v]
     o = jnp.einsum("bhc,chv->bhv", o, w_uv)[:, None]                     # [B, 1, H, v]
     gate = jax.nn.sigmoid(self.w_g(x).astype(jnp.float32))
-    return self.w_o((o * gate).astype(self.dtype)), {"latent": latent}
+    return self.w_o((o * gate).astype(self.dtype)), {"latent": k}
+
+  def write(self, cache: dict, entry: dict, pos: jax.Array, index: tuple = ()) -> dict:
+    """The cache with `step`'s entry at each row's pos [B]: one row written (in place when
+    the cache is donated or carried). index: positions in leading (stacked layer) axes."""
+    latent = cache["latent"]
+    rows = jnp.arange(pos.shape[0])
+    latent = latent.at[(*index, rows, pos)].set(entry["latent"].astype(latent.dtype))
+    return {"latent": axes.constrain(latent, (None,) * len(index) + CACHE_AXES["latent"])}
 
   def clip_qk(self, logit_max: jax.Array, tau: float) -> jax.Array:
     """QK-Clip (K3_SPEC 5), in place: every head whose max logit S exceeded tau gets

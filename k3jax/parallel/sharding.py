@@ -29,6 +29,7 @@ def rules(expert_splits: str = "batch") -> tuple:
             (("batch", ("data", "fsdp")), ("seq", ("expert", "context"))))
   return (
       *tokens,
+      ("cache_seq", tokens[1][1]),   # a decoding cache's positions, as a sequence's
       # weights: FSDP shards the model width over every device that holds other tokens of
       # the batch, the expert and context axes included (else they would hold copies of them)
       ("embed", ("fsdp", "expert", "context")),
