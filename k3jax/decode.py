@@ -64,6 +64,9 @@ def prefill(model: K3Model, tokens: jax.Array, max_len: int, media=None):
   (logits [B, P, vocab], the cache of `max_len` positions after them). media: the
   prompts' images (a PackedMedia, as `K3Model.embed_with_images` takes), whose features
   replace the placeholder tokens."""
+  if tokens.shape[1] > max_len:
+    raise ValueError(f"prefill: prompts of {tokens.shape[1]} tokens do not fit a cache of "
+                     f"{max_len} positions")
   if media is None:
     x = embedding.lookup(model.embed[...], tokens, model.dtype)
   else:

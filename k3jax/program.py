@@ -166,7 +166,7 @@ def compiler_options(spec: str, mesh: Mesh) -> dict[str, str | bool] | None:
 # Config fields that change nothing the program computes (logging, evaluation and
 # checkpoint cadence, the data source): configs that differ only here share one program.
 RUN_ONLY_FIELDS = ("train.log_every", "train.eval_every", "train.eval_batches",
-                   "train.eval_text", "train.eval_choices",
+                   "train.eval_text", "train.eval_choices", "train.compilation_cache",
                    "train.checkpoint_every", "train.keep_checkpoints",
                    "train.keep_checkpoint_every", "train.max_bad_steps", "train.peak_tflops",
                    "data")

@@ -16,6 +16,7 @@ starts from the cluster's environment or from --coordinator_address, --num_proce
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -158,6 +159,8 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   except ValueError as e:
     raise k3config.ConfigError(str(e)) from None
   tasks = eval_tasks(t)
+  if t.compilation_cache:
+    say(f"compile: cache in {compilation_cache(workdir)}")
   say(f"k3jax: jax {jax.__version__}, {jax.process_count()} process(es), "
       f"{jax.device_count()} device(s): {jax.devices()[0].device_kind} "
       f"({jax.default_backend()})")
@@ -295,6 +298,19 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   say(f"done: step {step}, {run_steps} steps this run in "
       f"{metrics.format_duration(time.time() - run_t0)}")
   return params, rest
+
+
+def compilation_cache(workdir: str) -> str:
+  """Turns on JAX's persistent compilation cache in <workdir>/compilation_cache unless JAX
+  already has a cache directory (JAX_COMPILATION_CACHE_DIR, or set by the caller); returns
+  the directory in use. JAX stores the programs that took over
+  jax_persistent_cache_min_compile_time_secs (1 s by default) to compile."""
+  current = jax.config.jax_compilation_cache_dir
+  if current:
+    return current
+  path = os.path.join(workdir, "compilation_cache")
+  jax.config.update("jax_compilation_cache_dir", path)
+  return path
 
 
 def eval_tasks(t):

@@ -106,11 +106,11 @@ def test_generate_command_continues_a_prompt_from_a_checkpoint(tmp_path):
       prog.abstract_state[:2])
   importer.write_weights(str(tmp_path / "w"), params, rest, cfg.to_json())
 
-  def generate(workdir):
+  def generate(workdir, *overrides):
     return subprocess.run(
         [sys.executable, "-m", "k3jax.generate", "--config=experiments/k3_tiny.py",
          f"--workdir={workdir}", "--prompt=The cat", "--max_new_tokens=6", "--temperature=0.7",
-         "--top_k=20"], cwd=root, capture_output=True, text=True,
+         "--top_k=20", *overrides], cwd=root, capture_output=True, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
   got = generate(tmp_path / "w")
@@ -119,6 +119,15 @@ def test_generate_command_continues_a_prompt_from_a_checkpoint(tmp_path):
   missing = generate(tmp_path / "none")
   assert missing.returncode != 0 and "--workdir: " in missing.stderr
   assert "does not exist" in missing.stderr
+  other = generate(tmp_path / "w", "--config.model.kda.num_heads=2")
+  assert other.returncode != 0 and "model.kda.num_heads" in other.stderr, other.stderr[-2000:]
+
+
+def test_prompts_longer_than_the_cache_are_refused():
+  c = micro_config()
+  model = random_model(c.model, model_cls=K3Model)
+  with pytest.raises(ValueError, match="prompts of 6 tokens do not fit a cache of 5"):
+    decode.prefill(model, jnp.ones((1, 6), jnp.int32), 5)
 
 
 def assert_prefill_then_steps_equal_the_forward(graphdef, state, tokens, *, prefilled: int,

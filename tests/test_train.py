@@ -113,3 +113,38 @@ def test_missing_eval_task_file_is_refused_before_anything_is_written(tmp_path):
   with pytest.raises(k3config.ConfigError, match="config.train.eval_choices.*absent.jsonl"):
     k3train.train(c, str(workdir))
   assert not workdir.exists()
+
+
+def test_a_rerun_loads_its_programs_from_the_workdirs_compilation_cache(tmp_path):
+  """`train.compilation_cache` (on by default), in a process with no cache of JAX's own:
+  the first run stores its compiled programs under <workdir>/compilation_cache; the same
+  run started again (its checkpoints gone) finds every one of them there: it stores
+  nothing, each entry keeps its file."""
+  import shutil  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  workdir = tmp_path / "run"
+
+  def run(steps):
+    got = subprocess.run(
+        [sys.executable, "-m", "k3jax.train", "--config=experiments/k3_tiny.py",
+         f"--workdir={workdir}", "--config.model.num_layers=2", "--config.model.mla_every=2",
+         "--config.model.dense_layers=0", "--config.model.d_model=64",
+         "--config.train.seq_len=32", "--config.train.global_batch=2",
+         f"--config.train.steps={steps}", "--config.train.eval_every=0",
+         "--config.train.checkpoint_every=1", "--config.optimizer.warmup_steps=0"],
+        cwd=root, env=env, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr[-3000:]
+    return got.stderr + got.stdout
+
+  cache = workdir / "compilation_cache"
+  assert f"compile: cache in {cache}" in run(1)
+  stored = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+  assert stored
+  shutil.rmtree(workdir / "checkpoints")
+  assert "done: step 1" in run(1)
+  assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stored
