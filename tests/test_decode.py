@@ -149,12 +149,14 @@ def assert_prefill_then_steps_equal_the_forward(graphdef, state, tokens, *, pref
   return cache
 
 
-def test_prefill_of_an_odd_length_then_steps_equals_the_forward():
-  """The first 5 tokens through `prefill` (each layer's own forward, returning KDA's final
-  state and conv tail and MLA's latents), the last 4 stepped: the forward's logits at all
-  9 positions within 1e-4 (fp32)."""
+@pytest.mark.parametrize("form", ["expanded", "absorbed"])
+def test_prefill_of_an_odd_length_then_steps_equals_the_forward(form):
+  """The first 5 tokens through `prefill` (each layer's own forward, MLA in either form,
+  returning KDA's final state and conv tail and MLA's latents), the last 4 stepped (MLA
+  absorbed): the forward's logits at all 9 positions within 1e-4 (fp32)."""
   c = micro_config()
   c.model.moe.dispatch, c.model.kda.backend = "dropless", "naive"
+  c.model.mla.form = form
   model = random_model(c.model, model_cls=K3Model)
   graphdef, state = nnx.split(model)
   tokens = jnp.asarray(np.random.default_rng(2).integers(1, 64, (2, 9)), jnp.int32)
