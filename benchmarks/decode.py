@@ -29,6 +29,7 @@ from flax import nnx
 
 from k3jax import cli, decode
 from k3jax import config as k3config
+from k3jax.model import axes
 from k3jax.model.k3 import K3Model
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "64"], "rows decoded together")
@@ -52,13 +53,13 @@ def weight_bytes(model: K3Model, batch: int, top_k: int) -> tuple[int, int]:
   """(bytes a step reads of the weights, bytes of all weights): the embedding table only
   `batch` rows, the routed experts only the expected distinct picks."""
   total = read = 0
-  for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-    names = [str(getattr(p, "key", getattr(p, "idx", ""))) for p in path]
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    x = var.get_value()
     n = x.size * x.dtype.itemsize
     total += n
-    if names[0] == "embed":
+    if path[0] == "embed":
       n = batch * x.shape[-1] * x.dtype.itemsize
-    elif names[-2] in ("w_g", "w_u", "w_d") or names[-1] in ("w_g", "w_u", "w_d"):
+    elif [a for a in axes.axis_names(var) if a not in axes.STACKED_AXES][:1] == ["experts"]:
       experts = x.shape[-3]
       picked = experts * (1 - (1 - top_k / experts) ** batch)
       n = int(n * picked / experts)

@@ -191,9 +191,10 @@ def base_config() -> ml_collections.ConfigDict:
   t.init_from = ""
   t.checkpoint_compression = False  # zstd: ~2x the save/restore CPU time for ~7% less disk
   t.max_bad_steps = 10   # this many non-finite (skipped) steps in a row stop the run
-  # JAX's persistent compilation cache in <workdir>/compilation_cache, so that a rerun (a
-  # resume, more steps) loads its compiled steps instead of compiling them again; a cache
-  # directory JAX already has (JAX_COMPILATION_CACHE_DIR) is used instead. False: none.
+  # JAX's persistent compilation cache in <workdir>/compilation_cache, so that a restarted
+  # run loads its compiled programs instead of compiling them again (train.steps is part of
+  # the train step's program); a cache directory JAX already has (JAX_COMPILATION_CACHE_DIR)
+  # is used instead. False: none.
   t.compilation_cache = True
   t.grad_clip_norm = 1.0
   t.peak_tflops = 0.0    # per-device peak for the MFU estimate; 0 = detect from the device

@@ -277,8 +277,8 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
           with prog.rules():
             scores.update(tasks(nnx.merge(prog.graphdef, params, rest), tokenizer))
           heartbeat.done()
-          say(f"eval  {step:>6}  " + "  ".join(f"{k[5:]} {v:.4f}" for k, v in scores.items()
-                                                if k != "eval_loss"))
+          say(f"eval  {step:>6}  " + "  ".join(f"{k.removeprefix('eval_')} {v:.4f}"
+                                                for k, v in scores.items() if k != "eval_loss"))
         writer.write_scalars(step, scores)
         window_t0 = time.time()
       preempted = preemption.reached(step, ckpt)

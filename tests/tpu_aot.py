@@ -52,6 +52,7 @@ def tiny_kernel_config():
   """micro_config cut to one hybrid cycle + the final MLA, with the KDA Pallas kernels and
   the Newton-Schulz kernel ("auto" picks Mosaic on TPU), bf16 compute; mesh data 2 x fsdp 2."""
   from conftest import micro_config
+
   from k3jax import config as k3config
   cfg = micro_config()
   with cfg.unlocked():

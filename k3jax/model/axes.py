@@ -121,9 +121,10 @@ def split_axes(name: str) -> str | tuple[str, ...] | None:
   return logical_to_spec((name,))[0]
 
 
-def constrain_each(values: dict, names: dict[str, AxisNames]) -> dict:
-  """`constrain` on each array of a dict by the names under its key (a decoding cache)."""
-  return {key: constrain(x, names[key]) for key, x in values.items()}
+def constrain_each(values: dict, names: dict[str, AxisNames], stacked: int = 0) -> dict:
+  """`constrain` on each array of a dict by the names under its key (a decoding cache),
+  after `stacked` leading unsplit axes (scanned layers)."""
+  return {key: constrain(x, (None,) * stacked + names[key]) for key, x in values.items()}
 
 
 def constrain(x: jax.Array, names: AxisNames) -> jax.Array:

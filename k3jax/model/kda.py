@@ -147,5 +147,5 @@ class KDA(nnx.Module):
     """The cache after `step`: its entry (the whole state and conv tail) replaces the old
     one; index: positions in leading (stacked layer) axes."""
     del pos
-    return {key: axes.constrain(cache[key].at[index].set(entry[key].astype(cache[key].dtype)),
-                                (None,) * len(index) + CACHE_AXES[key]) for key in cache}
+    return axes.constrain_each({key: cache[key].at[index].set(entry[key].astype(cache[key].dtype))
+                                for key in cache}, CACHE_AXES, stacked=len(index))

@@ -186,7 +186,7 @@ class MLA(nnx.Module):
     latent = cache["latent"]
     rows = jnp.arange(pos.shape[0])
     latent = latent.at[(*index, rows, pos)].set(entry["latent"].astype(latent.dtype))
-    return {"latent": axes.constrain(latent, (None,) * len(index) + CACHE_AXES["latent"])}
+    return axes.constrain_each({"latent": latent}, CACHE_AXES, stacked=len(index))
 
   def clip_qk(self, logit_max: jax.Array, tau: float) -> jax.Array:
     """QK-Clip (K3_SPEC 5), in place: every head whose max logit S exceeded tau gets
