@@ -1,13 +1,24 @@
-"""Where a traced step's GPU time goes: kernel time by kind and the heaviest kernels.
+"""Where a traced step's GPU time goes: by model component, by kernel kind, the heaviest
+kernels.
 
   python benchmarks/train_step.py --config=... --profile_dir=/tmp/prof
+  python -m k3jax.train --config=... --profile_steps=5      # traces into <workdir>/profile
   python benchmarks/gpu_trace.py /tmp/prof
 
 Reads the Perfetto copy that `jax.profiler.trace(..., create_perfetto_trace=True)` writes
-(`**/perfetto_trace.json.gz`, the newest), takes the kernels on the GPU's stream lines and
-prints markdown tables: per kind (by kernel name, `KINDS`, first match), the time, share and
-count; then the 25 heaviest kernels; and the span from the first kernel's start to the last
-one's end with the time no kernel ran (idle).
+(`**/perfetto_trace.json.gz`, the newest) and takes the kernels on the GPU's stream lines
+(on a CPU-only trace: the XLA ops of the host's threads, for tests). Prints markdown tables:
+
+- with the traced program's HLO text beside the trace (`*.hlo.txt` in the directory, which
+  both commands above write): kernel time per model component and phase. Each kernel's HLO
+  instruction carries the op name JAX built from the named scopes the model sets (kda, mla,
+  attn_res, moe: router / dispatch / experts / shared, ffn, embed, lm_head_loss,
+  optimizer); the innermost one names the component, and the phase is the forward,
+  the backward (`transpose(...)`), the remat recompute (`rematted_computation`) or outside
+  the gradient (update: the optimizer, the norms, keeping or skipping the step).
+- per kind (by kernel name, `KINDS`, first match), the time, share and count;
+- the 25 heaviest kernels; and the span from the first kernel's start to the last one's
+  end with the time no kernel ran (idle).
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import json
 import pathlib
 import re
 import sys
+from typing import NamedTuple
 
 # kind -> pattern on the lower-cased kernel name; the first that matches names the kind.
 KINDS = (
@@ -44,9 +56,18 @@ def load(path: pathlib.Path) -> list[dict]:
   return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
-def gpu_kernels(events: list[dict]) -> list[tuple[str, float, float]]:
-  """(name, start us, duration us) of every complete event on a GPU process's stream
-  threads (XLA's op and module lines on the same process repeat the kernels: skipped)."""
+class Kernel(NamedTuple):
+  name: str
+  start: float     # us
+  dur: float       # us
+  hlo_op: str      # the HLO instruction or command buffer that launched it ("": unknown)
+  op_name: str     # the JAX op name where the trace gives it ("" otherwise)
+
+
+def gpu_kernels(events: list[dict]) -> list[Kernel]:
+  """Every complete event on a GPU process's stream threads (XLA's op and module lines on
+  the same process repeat the kernels: skipped). A trace without a GPU process (a CPU run)
+  gives the XLA ops its host threads ran instead (events naming an `hlo_op`)."""
   procs, threads = {}, {}
   for e in events:
     if e.get("ph") == "M" and e.get("name") == "process_name":
@@ -54,11 +75,207 @@ def gpu_kernels(events: list[dict]) -> list[tuple[str, float, float]]:
     if e.get("ph") == "M" and e.get("name") == "thread_name":
       threads[(e["pid"], e["tid"])] = e["args"].get("name", "")
   gpu = {p for p, n in procs.items() if "GPU" in n or "gpu" in n}
-  if not gpu:
-    raise SystemExit(f"the trace has no GPU process (processes: {sorted(procs.values())})")
-  return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-          if e.get("ph") == "X" and e.get("pid") in gpu
-          and threads.get((e["pid"], e.get("tid")), "Stream").startswith("Stream")]
+
+  def kept(e):
+    if e.get("ph") != "X":
+      return False
+    if not gpu:
+      return "hlo_op" in e.get("args", {})
+    return (e.get("pid") in gpu
+            and threads.get((e["pid"], e.get("tid")), "Stream").startswith("Stream"))
+  def op_name(args):
+    name = args.get("name", "")
+    return name if "/" in name else ""
+  return [Kernel(e["name"], float(e["ts"]), float(e["dur"]),
+                 e.get("args", {}).get("hlo_op", ""), op_name(e.get("args", {})))
+          for e in events if kept(e)]
+
+
+# named scopes the model and the train step set (k3jax/model/k3.py, latent_moe.py,
+# moe_dispatch.py, k3jax/steps.py) -> component; the innermost one on an op's name wins.
+SCOPES = {"kda": "kda", "mla": "mla", "attn_res": "attn_res", "router": "moe.router",
+          "dispatch": "moe.dispatch", "experts": "moe.experts", "shared": "moe.shared",
+          "moe": "moe.rest", "ffn": "dense ffn", "embed": "embed",
+          "lm_head_loss": "lm_head + loss", "optimizer": "optimizer"}
+PHASES = ("forward", "recompute", "backward", "update")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
+
+
+# kernel name pattern -> the custom call that launches such kernels (its HLO target, or
+# for Triton the kernel's name, which the trace repeats with a "__<n>" suffix)
+LIBRARY_KERNELS = (
+    (r"nvjet|gemm|cutlass|xmma|cublas|sm90_", "cublas"),
+    (r"mosaic", "mosaic_gpu"),
+    (r"cudnn|sdpa|fprop|bprop", "cudnn"),
+    (r"cub::|radix", "sort"),
+)
+
+
+class Hlo(NamedTuple):
+  op_names: dict[str, str]                     # instruction -> JAX op name
+  where: dict[str, tuple[str, int]]            # instruction -> (computation, schedule index)
+  order: dict[str, list[tuple[str, str]]]      # computation -> [(instruction, class)]
+
+
+def _custom_class(line: str) -> str:
+  target = re.search(r'custom_call_target="([^"]*)"', line)
+  if not target:
+    return ""
+  target = target.group(1)
+  if "triton" in target:
+    name = re.search(r', name = "([^"]*)"', line)
+    return "triton:" + (name.group(1) if name else "")
+  for pattern, cls in (("cublas", "cublas"), ("mosaic", "mosaic_gpu"), ("cudnn", "cudnn"),
+                       ("sort", "sort")):
+    if pattern in target:
+      return cls
+  return "custom"
+
+
+def parse_hlo(hlo_text: str) -> Hlo:
+  """The compiled program's instructions: their JAX op names (a fusion without one takes the
+  most common op name among the instructions it calls, any other instruction without one,
+  such as a copy XLA added, its first operand's), where each sits in its computation's
+  schedule, and each computation's custom calls in schedule order."""
+  names, calls, inside = {}, {}, collections.defaultdict(collections.Counter)
+  operands, where, order = {}, {}, collections.defaultdict(list)
+  computation = None
+  for line in hlo_text.splitlines():
+    if not line.startswith(" ") and "{" in line:
+      m = _COMPUTATION.match(line)
+      computation = m.group(1) if m else None
+      continue
+    inst = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+    if not inst:
+      continue
+    name = inst.group(1)
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    if op_name:
+      names[name] = op_name.group(1)
+      if computation:
+        inside[computation][op_name.group(1)] += 1
+    if called:
+      calls[name] = called.group(1)
+    first = re.search(r"\w\(%?([\w.\-]+)[,)]", line[inst.end():])
+    if first:
+      operands[name] = first.group(1)
+    if computation:
+      where[name] = (computation, len(order[computation]))
+      order[computation].append((name, _custom_class(line)))
+  for inst, comp in calls.items():
+    if inst not in names and inside[comp]:
+      names[inst] = inside[comp].most_common(1)[0][0]
+  for inst in operands:
+    source, seen = inst, set()
+    while source not in names and source in operands and source not in seen:
+      seen.add(source)
+      source = operands[source]
+    if inst not in names and source in names:
+      names[inst] = names[source]
+  return Hlo(names, where, dict(order))
+
+
+def kernel_class(name: str) -> str:
+  """The custom-call class (`_custom_class`) of a kernel that no instruction is named
+  after: a library kernel by its name, a Triton kernel by its name without the suffix."""
+  low = name.lower()
+  for pattern, cls in LIBRARY_KERNELS:
+    if re.search(pattern, low):
+      return cls
+  return "triton:" + re.sub(r"__\d+$", "", name)
+
+
+def component(op_name: str) -> tuple[str, str]:
+  """(component, phase) of a JAX op name such as
+  "jit(step)/transpose(jvp(while))/body/checkpoint/rematted_computation/kda/dot_general"."""
+  parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in op_name.split("/")]
+  found = next((SCOPES[p] for p in reversed(parts) if p in SCOPES), "other")
+  if "rematted_computation" in parts:
+    return found, "recompute"
+  if "transpose(" in op_name:
+    return found, "backward"
+  return found, "forward" if "jvp(" in op_name else "update"
+
+
+def attribute(kernels: list[Kernel], hlo: Hlo) -> list[tuple[str, str]]:
+  """(JAX op name or "", how it was found) of each kernel: "named" where the kernel names
+  its op or HLO instruction (`hlo_op`, or a fusion kernel's own name: fusion_12 is
+  fusion.12); "scheduled" for a library or custom kernel inside a command buffer (a CUDA
+  graph runs them and they name only the buffer): the first custom call of its kind after
+  the previous located kernel in that computation's schedule; "neighbour" where that
+  finds none: the previous kernel's op in the same buffer."""
+  def own(k):
+    return next((n for n in (k.hlo_op, k.name, re.sub(r"_(\d+)$", r".\1", k.name))
+                 if n in hlo.op_names), None)
+  found = [(hlo.op_names[i], "named", i) if (i := own(k)) else ("", "", None)
+           for k in kernels]
+  found = [(k.op_name, "named", None) if k.op_name and not f[0] else f
+           for k, f in zip(kernels, found)]
+  by_buffer = collections.defaultdict(list)
+  for i, k in enumerate(kernels):
+    by_buffer[k.hlo_op].append(i)
+  for members in by_buffer.values():
+    members.sort(key=lambda i: kernels[i].start)
+    cursor, last_op = None, ""
+    for i in members:
+      op, how, inst = found[i]
+      if op:
+        cursor = hlo.where.get(inst, cursor) if inst else cursor
+        last_op = op
+        continue
+      cls = kernel_class(kernels[i].name)
+      hit = None
+      if cursor is not None:
+        comp, at = cursor
+        hit = next((j for j in range(at + 1, len(hlo.order[comp]))
+                    if hlo.order[comp][j][1] == cls), None)
+      if hit is not None:
+        name = hlo.order[comp][hit][0]
+        cursor = (comp, hit)
+        found[i] = (hlo.op_names.get(name, ""), "scheduled", name)
+        last_op = found[i][0] or last_op
+      elif last_op:
+        found[i] = (last_op, "neighbour", None)
+  return [(op, how) for op, how, _ in found]
+
+
+def component_table(kernels: list[Kernel], hlo: Hlo) -> list[str]:
+  """Markdown rows: kernel ms per component and phase, the component's share, then idle
+  and how the kernels were attributed (`attribute`)."""
+  ms, how_ms = collections.defaultdict(float), collections.Counter()
+  for k, (op, how) in zip(kernels, attribute(kernels, hlo)):
+    comp, phase = component(op) if op else ("unattributed", "forward")
+    ms[comp, phase] += k.dur / 1e3
+    how_ms[how or "unattributed"] += k.dur / 1e3
+  total = sum(ms.values())
+  rows = ["| component | forward ms | recompute ms | backward ms | update ms | total ms | share |",
+          "|---|---|---|---|---|---|---|"]
+  order = list(dict.fromkeys([*SCOPES.values(), "other", "unattributed"]))
+  for comp in order:
+    cells = [ms.get((comp, ph), 0.0) for ph in PHASES]
+    if sum(cells):
+      rows.append(f"| {comp} | " + " | ".join(f"{c:.1f}" for c in cells)
+                  + f" | {sum(cells):.1f} | {sum(cells) / total:.1%} |")
+  busy, span = busy_span(kernels)
+  rows.append("| all kernels | " + " | ".join(
+      f"{sum(v for (_, ph), v in ms.items() if ph == p):.1f}" for p in PHASES)
+      + f" | {total:.1f} | 100% |")
+  rows.append(f"| idle (no kernel running) | | | | | {(span - busy) / 1e3:.1f} | "
+              f"{(span - busy) / span:.1%} of the span |")
+  rows.append("\nkernel time attributed: " + ", ".join(
+      f"{how} {v / total:.1%}" for how, v in how_ms.most_common()) + " (`attribute`)")
+  return rows
+
+
+def busy_span(kernels: list[Kernel]) -> tuple[float, float]:
+  """(us some kernel ran: the union of their intervals, streams may overlap; us from the
+  first kernel's start to the last one's end)."""
+  busy, end = 0.0, float("-inf")
+  for k in sorted(kernels, key=lambda k: k.start):
+    busy += max(0.0, k.start + k.dur - max(k.start, end))
+    end = max(end, k.start + k.dur)
+  return busy, end - min(k.start for k in kernels)
 
 
 def kind(name: str) -> str:
@@ -69,12 +286,17 @@ def kind(name: str) -> str:
 def main(argv):
   if len(argv) != 2:
     raise SystemExit(__doc__)
-  kernels = gpu_kernels(load(pathlib.Path(argv[1])))
+  directory = pathlib.Path(argv[1])
+  kernels = gpu_kernels(load(directory))
   if not kernels:
     raise SystemExit("the trace has no kernels on a GPU stream line")
-  total = sum(d for _, _, d in kernels)
+  hlo = sorted(directory.rglob("*.hlo.txt"), key=lambda f: f.stat().st_mtime)
+  if hlo:
+    print(f"kernel time by component ({hlo[-1].name}):\n")
+    print("\n".join(component_table(kernels, parse_hlo(hlo[-1].read_text()))), "\n")
+  total = sum(k.dur for k in kernels)
   by_kind, by_name = collections.defaultdict(list), collections.defaultdict(list)
-  for name, _, dur in kernels:
+  for name, _, dur, *_ in kernels:
     by_kind[kind(name)].append(dur)
     by_name[name].append(dur)
   print("| kind | ms | share of kernel time | kernels |\n|---|---|---|---|")
@@ -86,12 +308,7 @@ def main(argv):
   print("\n| kernel | kind | ms | calls |\n|---|---|---|---|")
   for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]:
     print(f"| `{name[:80]}` | {kind(name)} | {sum(d) / 1e3:.1f} | {len(d)} |")
-  # busy time: the union of the kernels' intervals (streams may overlap)
-  busy, end = 0.0, float("-inf")
-  for _, start, dur in sorted(kernels, key=lambda k: k[1]):
-    busy += max(0.0, start + dur - max(start, end))
-    end = max(end, start + dur)
-  span = end - min(s for _, s, _ in kernels)
+  busy, span = busy_span(kernels)
   print(f"\nspan {span / 1e3:.1f} ms, a kernel running {busy / 1e3:.1f} ms, "
         f"idle {(span - busy) / 1e3:.1f} ms ({(span - busy) / span:.1%})")
 

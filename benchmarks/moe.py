@@ -40,7 +40,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from k3jax import cli
@@ -226,4 +226,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

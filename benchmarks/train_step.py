@@ -223,6 +223,8 @@ def main(argv):
       with jax.profiler.trace(_PROFILE_DIR.value, create_perfetto_trace=True):
         *state, out = step(*state, batch)
         jax.block_until_ready(out)
+      # the program's HLO, whose op names gpu_trace.py maps kernels to components by
+      pathlib.Path(_PROFILE_DIR.value, "train_step.hlo.txt").write_text(step.as_text())
   print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
   step_time = float(np.median(times))
   loss = float(out["loss"])
@@ -254,4 +256,4 @@ def main_or_mark_failed(argv):
 
 
 if __name__ == "__main__":
-  app.run(main_or_mark_failed)
+  cli.run(main_or_mark_failed)

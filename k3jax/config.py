@@ -9,6 +9,7 @@ are rejected by ml_collections itself (the ConfigDict is locked).
 from __future__ import annotations
 
 import math
+import sys
 
 import ml_collections
 
@@ -191,6 +192,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.init_from = ""
   t.checkpoint_compression = False  # zstd: ~2x the save/restore CPU time for ~7% less disk
   t.max_bad_steps = 10   # this many non-finite (skipped) steps in a row stop the run
+  # "S:K": a run resuming from step S first discards the data of its next K steps (the
+  # batches of a divergence, which the stop message names); "": none
+  t.skip_batches = ""
   # JAX's persistent compilation cache in <workdir>/compilation_cache, so that a restarted
   # run loads its compiled programs instead of compiling them again (train.steps is part of
   # the train step's program); a cache directory JAX already has (JAX_COMPILATION_CACHE_DIR)
@@ -202,6 +206,8 @@ def base_config() -> ml_collections.ConfigDict:
   o = c.optimizer = ml_collections.ConfigDict()
   o.name = "muon"        # "muon": Muon for matrices + AdamW for the rest; "adamw": AdamW only
   o.learning_rate = 3e-4  # one schedule for both (Muon's update RMS is matched to AdamW's)
+  # Linear warmup to learning_rate. One longer than train.steps (a short run of a config
+  # made for a longer one) is cut by validate() to train.steps // 10, with a notice.
   o.warmup_steps = 2_000
   o.min_lr_ratio = 0.1   # cosine decays to learning_rate * min_lr_ratio
   o.b1 = 0.9             # AdamW
@@ -312,7 +318,8 @@ def _check(ok: bool, field: str, msg: str):
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Raise ConfigError naming the first impossible setting; return `c` otherwise."""
+  """Raise ConfigError naming the first impossible setting; return `c` otherwise, with a
+  warmup longer than the run shortened (`fit_warmup`)."""
   m = c.model
   _check(m.d_model > 0, "model.d_model", f"must be positive, got {m.d_model}")
   _check(m.num_layers >= 1, "model.num_layers", f"must be >= 1, got {m.num_layers}")
@@ -425,12 +432,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
          "train.keep_checkpoint_every", f"{t.keep_checkpoint_every} must be 0 or a multiple "
          f"of train.checkpoint_every={t.checkpoint_every}")
   _check(t.max_bad_steps >= 1, "train.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}")
+  skip_batches(t)
   o = c.optimizer
   from k3jax.optim import OPTIMIZERS  # noqa: PLC0415  (the registry is the one list of names)
   _check(o.name in OPTIMIZERS, "optimizer.name",
          f"unknown optimizer {o.name!r} (known: {', '.join(sorted(OPTIMIZERS))})")
-  _check(0 <= o.warmup_steps <= t.steps, "optimizer.warmup_steps",
-         f"must be in [0, train.steps={t.steps}], got {o.warmup_steps}")
+  _check(o.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
+  fit_warmup(c)
   _check(o.qk_clip_tau >= 0, "optimizer.qk_clip_tau", "must be >= 0 (0 turns QK-Clip off)")
   u = o.muon
   _check(u.router in ("adamw", "muon"), "optimizer.muon.router",
@@ -452,6 +460,33 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(c.data.images.source == "none" or m.vision.enabled, "data.images.source",
          f"{c.data.images.source!r} needs model.vision.enabled (the tower that reads them)")
   return c
+
+
+def skip_batches(t: ml_collections.ConfigDict) -> tuple[int, int] | None:
+  """train.skip_batches "S:K" as (S, K); None for "". ConfigError otherwise."""
+  if not t.skip_batches:
+    return None
+  try:
+    start, count = (int(x) for x in t.skip_batches.split(":"))
+  except ValueError:
+    start = count = -1
+  _check(start >= 0 and count >= 1, "train.skip_batches",
+         f"expected 'S:K' (from step S >= 0, skip K >= 1 batches), got {t.skip_batches!r}")
+  return start, count
+
+
+def fit_warmup(c: ml_collections.ConfigDict) -> None:
+  """A warmup longer than the run (optimizer.warmup_steps > train.steps: a short run of a
+  config made for a longer one) becomes a tenth of the run, the share k3_tiny's 30 of 300
+  steps take, so that the schedule still reaches its peak and decays; one line on stderr
+  says so. A warmup within the run is left as it is."""
+  o, steps = c.optimizer, c.train.steps
+  if o.warmup_steps > steps:
+    fitted = steps // 10
+    print(f"config: optimizer.warmup_steps={o.warmup_steps} is longer than train.steps="
+          f"{steps}: warming up over {fitted} steps (a tenth of the run)", file=sys.stderr,
+          flush=True)
+    o.warmup_steps = fitted
 
 
 def check_context(c: ml_collections.ConfigDict, ways: int) -> None:

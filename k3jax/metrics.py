@@ -2,12 +2,14 @@
 
 `MetricWriter` writes every `write_scalars(step, scalars)` call twice:
   <workdir>/metrics.jsonl   one JSON object per call, {"step": s, "wall_time": t, **scalars},
-                            opened in append mode so a resumed run continues the file (a
-                            resumed run may repeat steps written after its last checkpoint;
-                            readers keep the last line per step; a line cut short by a kill
-                            is dropped on open). Non-finite values are
-                            written as NaN / Infinity, which Python's json and pandas read.
+                            appended to, so a resumed run continues the file. Non-finite
+                            values are written as NaN / Infinity, which Python's json and
+                            pandas read.
   <workdir>/tensorboard/    TensorBoard event files (one new file per process start).
+
+A run that resumes from step S passes `resume_step=S`: the lines a killed run wrote past S
+(and a line cut short by the kill) are dropped from metrics.jsonl, and TensorBoard is told
+to purge its events past S, so each step is logged once.
 
 TensorBoard events are written with tensorboardX: it is small, pure Python on top of
 protobuf, and writes the standard event format without TensorFlow, PyTorch or the
@@ -50,7 +52,7 @@ class MetricWriter:
   """Scalars to `<workdir>/metrics.jsonl` and TensorBoard event files under `<workdir>`."""
 
   def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True,
-               tensorboard: bool = True):
+               tensorboard: bool = True, resume_step: int | None = None):
     self.enabled = enabled
     self.workdir = os.fspath(workdir)
     self.jsonl_path = os.path.join(self.workdir, JSONL_NAME)
@@ -61,11 +63,14 @@ class MetricWriter:
       return
     os.makedirs(self.workdir, exist_ok=True)
     _drop_partial_line(self.jsonl_path)
+    if resume_step is not None:
+      _drop_steps_after(self.jsonl_path, resume_step)
     # Line-buffered: each record is one write, so a killed process leaves whole lines.
     self._jsonl = open(self.jsonl_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
     if tensorboard:
       from tensorboardX import SummaryWriter  # noqa: PLC0415  (only the writing process)
-      self._tb = SummaryWriter(logdir=self.tb_dir, flush_secs=30)
+      purge = None if resume_step is None else resume_step + 1
+      self._tb = SummaryWriter(logdir=self.tb_dir, flush_secs=30, purge_step=purge)
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
     """One record of `scalars` (name -> number, numpy or jax scalar) at `step`."""
@@ -115,6 +120,22 @@ def _drop_partial_line(path: str) -> None:
         f.truncate(data.rfind(b"\n") + 1)
   except FileNotFoundError:
     pass
+
+
+def _drop_steps_after(path: str, step: int) -> None:
+  """Rewrite `path` without its records past `step` (atomically: a new file renamed over)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = f.readlines()
+  except FileNotFoundError:
+    return
+  kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+  if len(kept) == len(lines):
+    return
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

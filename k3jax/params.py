@@ -15,7 +15,6 @@ import collections
 import json
 import math
 
-from absl import app
 from flax import nnx
 
 from k3jax import cli
@@ -74,16 +73,25 @@ def count(cfg) -> tuple[dict[str, int], int, int]:
   return dict(rows), sum(rows.values()), int(round(active))
 
 
+def table(rows: dict[str, int], total: int, active: int) -> str:
+  """The per-component table (largest first, then total and active), each column as wide as
+  its widest entry: names left-aligned, counts and shares right-aligned."""
+  body = [(name, f"{n:,}", f"{n / total:.2%}")
+          for name, n in sorted(rows.items(), key=lambda kv: -kv[1])]
+  lines = [("component", "parameters", "share"), *body,
+           ("total", f"{total:,}", ""), ("active", f"{active:,}", "")]
+  widths = [max(len(line[i]) for line in lines) for i in range(3)]
+  return "\n".join(f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}".rstrip()
+                   for a, b, c in lines)
+
+
 def main(argv):
   del argv
   cfg = k3config.validate(cli.CONFIG.value)
   rows, total, active = count(cfg)
-  print(f"{'component':<22}{'parameters':>20}{'share':>9}")
-  for name, n in sorted(rows.items(), key=lambda kv: -kv[1]):
-    print(f"{name:<22}{n:>20,}{n / total:>9.2%}")
-  print(f"{'total':<22}{total:>20,}\n{'active':<22}{active:>20,}")
+  print(table(rows, total, active))
   print(json.dumps({"total": total, "active": active}))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

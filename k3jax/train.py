@@ -5,9 +5,12 @@
 
 Rerunning the same command with the same workdir resumes from its latest checkpoint, with
 the same batches: a run killed at any moment (kill -9 included) and rerun trains exactly as
-an uninterrupted one. SIGTERM (a preemption) saves a checkpoint at the end of the current
-step and exits cleanly; a step with a non-finite loss or gradient is skipped, and
-`train.max_bad_steps` of them in a row stop the run.
+an uninterrupted one, and metrics.jsonl holds each step once. SIGTERM (a preemption) during
+the steps saves a checkpoint at the end of the current step and exits cleanly; before the
+run's first step is under way (restore, compile: nothing new to save) it exits within a
+second. A step with a non-finite loss or gradient is skipped; no checkpoint is written
+while steps are being skipped, and `train.max_bad_steps` of them in a row stop the run,
+naming the checkpoint to resume from (with other settings, `train.skip_batches`).
 
 Several processes (TPU pod, GKE, SLURM; `launch/`) all run the same command; the runtime
 starts from the cluster's environment or from --coordinator_address, --num_processes,
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 
@@ -27,7 +32,8 @@ from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from k3jax import checkpoint, cli, flops, memory, metrics, optim, parallel, program, scoring
+from k3jax import (checkpoint, cli, flops, memory, metrics, optim, parallel, profile, program,
+                   scoring)
 from k3jax import config as k3config
 from k3jax import data as k3data
 from k3jax.model import K3Model
@@ -40,6 +46,9 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process' index.")
 _LOCAL_DEVICES = flags.DEFINE_list("local_device_ids", None, "Devices this process uses.")
+_PROFILE_STEPS = flags.DEFINE_string(
+    "profile_steps", None, "N or N,M: trace steps N to M (from 1) into <workdir>/profile "
+    "(k3jax/profile.py; benchmarks/gpu_trace.py turns it into time per component)")
 
 def say(msg: str):
   """Announce a set-up phase or a result (process 0 only)."""
@@ -72,21 +81,47 @@ class Heartbeat:
 
 
 class Preemption:
-  """SIGTERM asks for a checkpoint at the end of the current step and a clean exit.
+  """SIGTERM asks for a checkpoint at the end of the current step and a clean exit; before
+  `arm()` (the run's first step not yet under way: restore, compile) it exits at once.
 
-  One process: a signal handler sets a flag. Several: jax.distributed's preemption service
-  takes the notice, and `reached_preemption_sync_point` (through orbax) has every process
-  stop after the same step.
+  One process: a signal handler sets a flag, read between steps. Python runs handlers in
+  the main thread between bytecodes only, so a compile (one long call into XLA) would hold
+  it off for minutes: the signal's number also goes to a wakeup socket (set_wakeup_fd),
+  whose watcher thread exits the process while nothing new exists to save. Several
+  processes: jax.distributed's preemption service takes the notice, and
+  `reached_preemption_sync_point` (through orbax) has every process stop after the same step.
   """
 
   def __init__(self):
-    self.signalled, self._previous = False, None
+    self.signalled, self.armed, self._previous = False, False, None
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._handle)
+      self._socks = socket.socketpair()
+      self._socks[1].setblocking(False)
+      self._old_wakeup = signal.set_wakeup_fd(self._socks[1].fileno(),
+                                              warn_on_full_buffer=False)
+      threading.Thread(target=self._watch, daemon=True).start()
 
   def _handle(self, signum, frame):
     del signum, frame
     self.signalled = True
+
+  def _watch(self):
+    while True:
+      try:
+        got = self._socks[0].recv(64)
+      except OSError:
+        return
+      if not got:
+        return
+      if signal.SIGTERM in got and not self.armed:
+        print("SIGTERM before the first step of this run: nothing new to save; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
+
+  def arm(self):
+    """From now on SIGTERM waits for the end of the current step (and its checkpoint)."""
+    self.armed = True
 
   def reached(self, step: int, ckpt: checkpoint.Checkpointer) -> bool:
     if jax.process_count() > 1:
@@ -95,8 +130,11 @@ class Preemption:
 
   def close(self):
     if self._previous is not None:
+      signal.set_wakeup_fd(self._old_wakeup)
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
+      for sock in self._socks:
+        sock.close()
 
 
 class BadSteps:
@@ -127,13 +165,21 @@ class BadSteps:
       say(f"step {step}: non-finite loss or gradient, update skipped "
           f"({self.bad_run} in a row, {self.skipped} in all)")
       if self.bad_run >= self.limit:
-        self.ckpt.wait()
-        good = self.ckpt.latest_step()
-        raise FloatingPointError(
-            f"step {step}: {self.bad_run} steps in a row with a non-finite loss or gradient "
-            f"(config.train.max_bad_steps={self.limit}); stopping. Last good checkpoint: "
-            + (f"step {good} in {str(self.ckpt.directory)!r}" if good is not None
-               else "none (nothing saved yet)"))
+        raise FloatingPointError(self.stop_message(step))
+
+  def stop_message(self, step: int) -> str:
+    self.ckpt.wait()
+    good = self.ckpt.latest_step()   # none is written during a run of skipped steps
+    head = (f"step {step}: {self.bad_run} steps in a row with a non-finite loss or gradient "
+            f"(config.train.max_bad_steps={self.limit}); stopping. ")
+    if good is None:
+      return head + "No checkpoint was written before them: start again with other settings."
+    return head + (
+        f"The last checkpoint, written before them, is step {good} in "
+        f"{str(self.ckpt.directory)!r}. Rerun with other settings (e.g. a lower "
+        f"--config.optimizer.learning_rate) to resume from it; add "
+        f"--config.train.skip_batches={good}:{step - good} to also skip the batches of "
+        f"steps {good + 1}-{step}.")
 
   def progress(self) -> dict:
     return {"skipped": self.skipped, "bad_run": self.bad_run}
@@ -145,13 +191,23 @@ def put_batch(batch: dict, shardings: dict[str, NamedSharding]) -> dict:
           for k, v in batch.items()}
 
 
-def train(cfg, workdir: str, *, stop_after: int | None = None):
+def train(cfg, workdir: str, *, stop_after: int | None = None,
+          profile_steps: tuple[int, int] | None = None):
   """Trains `cfg` in `workdir`, resuming from its latest checkpoint.
 
   stop_after: end this run after that many steps (with a checkpoint), as a preemption
   would; rerunning continues exactly where it stopped.
+  profile_steps: (N, M) to trace steps N..M into <workdir>/profile (`k3jax.profile`).
   """
   k3config.validate(cfg)
+  preemption = Preemption()
+  try:
+    return _train(cfg, workdir, preemption, stop_after, profile_steps)
+  finally:
+    preemption.close()
+
+
+def _train(cfg, workdir, preemption, stop_after, profile_steps):
   t = cfg.train
   tokenizer = k3data.make_tokenizer(cfg.data.tokenizer)
   try:
@@ -168,7 +224,6 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
                                  keep_every=t.keep_checkpoint_every,
                                  save_every=t.checkpoint_every,
                                  compress=t.checkpoint_compression)
-  writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
 
   mesh = parallel.make_mesh(cfg.mesh)
   say("model: building (abstract) ...")
@@ -214,6 +269,12 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
       raise ValueError(f"checkpoint {step} in {workdir} holds no data-iterator state")
     data_iter.set_state(restored.data)
     bad = BadSteps(t.max_bad_steps, ckpt, **(restored.progress or {}))
+  skip = k3config.skip_batches(t)
+  if skip and skip[0] == step:
+    for _ in range(skip[1]):
+      next(data_iter)
+    say(f"data: skipped the {skip[1]} batches after step {step} (train.skip_batches)")
+  writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=step)
 
 
   local_batch = t.global_batch // jax.process_count()
@@ -230,7 +291,9 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
   say(f"train: steps {step} -> {t.steps}, log every {t.log_every}, eval every {t.eval_every}, "
       f"checkpoint every {t.checkpoint_every}, workdir {workdir}")
 
-  heartbeat, preemption = Heartbeat(), Preemption()
+  heartbeat = Heartbeat()
+  trace = profile.StepTrace(profile_steps, os.path.join(workdir, "profile"),
+                            lambda: program_text(prog, train_step))
   window_t0, window_steps, run_t0, run_steps = time.time(), 0, time.time(), 0
   pending = None
   last = t.steps if stop_after is None else min(t.steps, step + stop_after)
@@ -238,9 +301,13 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
     while step < last:
       batch = put_batch(next(data_iter), batch_shardings)
       heartbeat.start(f"step {step + 1}" + (" (compiling)" if run_steps == 0 else ""))
+      trace.before(step + 1)
       with prog.rules():
         params, rest, opt_state, out = train_step(params, rest, opt_state, batch)
+      preemption.arm()   # compiled and under way: a SIGTERM now waits for its checkpoint
       step += 1
+      if trace.after(step, out):
+        say(f"profile: steps {profile_steps[0]}-{step} traced into {trace.directory}")
       run_steps += 1
       window_steps += 1
       pending = out
@@ -282,22 +349,38 @@ def train(cfg, workdir: str, *, stop_after: int | None = None):
         writer.write_scalars(step, scores)
         window_t0 = time.time()
       preempted = preemption.reached(step, ckpt)
+      saved = False
       if step % t.checkpoint_every == 0 or step == last or preempted:
         bad.settle()
-        writer.flush()  # the metrics of every saved step survive a kill after the commit
-        ckpt.save(step, (params, rest, opt_state), data_iter.get_state(), config_json,
-                  progress=bad.progress(), force=True)
+        if bad.bad_run:   # the state may be the start of a divergence: keep the last good one
+          say(f"step {step}: no checkpoint during {bad.bad_run} skipped step(s) in a row; "
+              f"the last is step {ckpt.latest_step()}")
+        else:
+          writer.flush()  # the metrics of every saved step survive a kill after the commit
+          ckpt.save(step, (params, rest, opt_state), data_iter.get_state(), config_json,
+                    progress=bad.progress(), force=True)
+          saved = True
       if preempted:
-        say(f"preempted: saved step {step}; rerun the same command to continue")
+        say(f"preempted: {f'saved step {step}' if saved else 'nothing saved'}; "
+            "rerun the same command to continue")
         break
   finally:
-    preemption.close()
+    trace.close()
     heartbeat.close()
     ckpt.close()   # waits for the saves in flight
     writer.close()
   say(f"done: step {step}, {run_steps} steps this run in "
       f"{metrics.format_duration(time.time() - run_t0)}")
   return params, rest
+
+
+def program_text(prog, train_step) -> str:
+  """The HLO text of the compiled train step (compiled again, from the compilation cache
+  where it is on, when the run holds only the jitted function)."""
+  if isinstance(train_step, jax.stages.Compiled):
+    return train_step.as_text()
+  with prog.rules():
+    return prog.lower_train_step().compile().as_text()
 
 
 def compilation_cache(workdir: str) -> str:
@@ -356,8 +439,12 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                          _LOCAL_DEVICES.value)
-  train(cli.CONFIG.value, _WORKDIR.value)
+  try:
+    profile_steps = profile.parse_steps(_PROFILE_STEPS.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  train(cli.CONFIG.value, _WORKDIR.value, profile_steps=profile_steps)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -88,11 +88,6 @@ def run_params(*flags):
                         capture_output=True, text=True, timeout=300)
 
 
-def test_cli_override_typo_names_the_key():
-  r = run_params("--config=experiments/k3_tiny.py", "--config.model.d_modle=3")
-  assert r.returncode != 0 and "d_modle" in r.stderr
-
-
 def test_full_parameter_count():
   """2.7795T total and 104.19B active (K3_SPEC section 1) within 0.2%, from eval_shape."""
   rows, total, active = k3params.count(load("k3_full"))
@@ -102,10 +97,58 @@ def test_full_parameter_count():
 
 
 def test_params_cli_last_line_is_json():
+  """The table's columns align (each as wide as its widest entry), then the JSON line."""
   r = run_params("--config=experiments/k3_small.py")
   assert r.returncode == 0, r.stderr
-  out = json.loads(r.stdout.strip().splitlines()[-1])
+  *table, last = r.stdout.strip().splitlines()
+  out = json.loads(last)
   assert 1e9 <= out["total"] <= 3e9 and out["active"] < out["total"]
+  assert_aligned(table)
+
+
+def assert_aligned(lines):
+  """Names start each line; counts end at one column, shares (where given) at another."""
+  assert lines[0].split() == ["component", "parameters", "share"]
+  count_end = lines[0].index("parameters") + len("parameters")
+  for line in lines[1:]:
+    name, count, *share = line.split()
+    assert line.startswith(name + " ") and line.index(count) + len(count) == count_end, lines
+    assert not share or len(line) == len(lines[0]), lines
+
+
+def test_params_table_columns_align():
+  """A component name longer than the header, and counts wider than it, stay in columns."""
+  rows = {"moe_router_latent_shared": 147_968, "norms": 2_432, "a": 2_722_740_830_208}
+  total = sum(rows.values())
+  lines = k3params.table(rows, total, 12_345).splitlines()
+  assert_aligned(lines)
+  assert [line.split()[0] for line in lines] == ["component", "a", "moe_router_latent_shared",
+                                                 "norms", "total", "active"]
+  assert lines[-2].split()[1] == f"{total:,}" and lines[1].split()[2] == "100.00%"
+
+
+def test_warmup_longer_than_the_run_is_cut_to_a_tenth(capsys):
+  """A 20-step smoke run of k3_tiny (warmup 30): the warmup becomes 2 steps, one line on
+  stderr says so, and the schedule peaks at step 2 and decays to its floor at step 20. A
+  warmup within the run is left alone, silently."""
+  from k3jax.optim.factory import make_schedule  # noqa: PLC0415
+  c = load("k3_tiny")
+  c.train.steps = 20
+  k3config.validate(c)
+  assert c.optimizer.warmup_steps == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["config: optimizer.warmup_steps=30 is longer than train.steps=20: warming "
+                 "up over 2 steps (a tenth of the run)"]
+  s, lr, floor = make_schedule(c), c.optimizer.learning_rate, c.optimizer.min_lr_ratio
+  assert float(s(0)) == 0.0 and abs(float(s(2)) - lr) < 1e-9
+  assert abs(float(s(20)) - lr * floor) < 1e-9
+  c = load("k3_tiny")
+  c.train.steps = 30
+  k3config.validate(c)
+  assert c.optimizer.warmup_steps == 30 and capsys.readouterr().err == ""
+  c.optimizer.warmup_steps = -1
+  with pytest.raises(k3config.ConfigError, match="optimizer.warmup_steps: must be >= 0"):
+    k3config.validate(c)
 
 
 def test_xla_options_apply_on_their_platform():

@@ -94,13 +94,36 @@ def test_nan_batch_is_skipped_and_counted(tmp_path, monkeypatch):
 
 
 @TRAIN_PROGRAM
-def test_too_many_bad_steps_stop_the_run(tmp_path, monkeypatch):
+def test_a_divergence_stops_without_checkpoints_and_resumes_past_its_batches(tmp_path,
+                                                                              monkeypatch):
+  """Steps 3-5 diverge: nothing is saved during them (so rotation keeps step 2), the stop
+  names step 2 and how to skip the batches; the rerun that does so trains on from step 2
+  with finite losses, each step logged once."""
   c = train_config()
-  c.train.checkpoint_every, c.train.max_bad_steps, c.train.eval_every = 2, 2, 0
-  _poison(monkeypatch, {3, 4})
-  with pytest.raises(FloatingPointError, match=r"step 4: 2 steps in a row .*max_bad_steps=2.*"
-                     r"Last good checkpoint: step 2 in .*checkpoints"):
+  c.train.checkpoint_every, c.train.keep_checkpoints, c.train.eval_every = 1, 1, 0
+  c.train.max_bad_steps, c.train.log_every = 3, 1
+  _poison(monkeypatch, {3, 4, 5})
+  with pytest.raises(FloatingPointError, match=r"step 5: 3 steps in a row .*max_bad_steps=3.*"
+                     r"The last checkpoint, written before them, is step 2 in .*checkpoints.*"
+                     r"--config.train.skip_batches=2:3 to also skip the batches of steps 3-5"):
     k3train.train(c, str(tmp_path))
+  assert k3ckpt.Checkpointer(tmp_path).all_steps() == [2]
+  monkeypatch.undo()   # the data as it is: the poisoned batches are among the skipped
+  c.train.skip_batches = "2:3"
+  k3train.train(c, str(tmp_path), stop_after=2)
+  steps = [r["step"] for r in k3metrics.read_jsonl(tmp_path / "metrics.jsonl")]
+  assert steps == [1, 2, 3, 4], steps
+  m = _metrics(tmp_path)
+  assert np.isfinite([m[3]["loss"], m[4]["loss"]]).all() and m[4]["skipped"] == 0
+  # the data of steps 3 and 4 is what an uninterrupted run reads at steps 6 and 7
+  assert k3ckpt.Checkpointer(tmp_path).all_steps() == [4]
+
+
+def test_skip_batches_is_validated():
+  c = train_config()
+  c.train.skip_batches = "3"
+  with pytest.raises(k3config.ConfigError, match="train.skip_batches.*'S:K'"):
+    k3config.validate(c)
 
 
 def test_max_bad_steps_is_validated():
@@ -196,6 +219,16 @@ def test_unwritable_or_full_workdir_is_refused_before_training(tmp_path):
     k3ckpt.check_free_space(tmp_path, 1 << 62)
 
 
+def test_a_resumed_run_drops_the_metrics_logged_past_its_checkpoint(tmp_path):
+  lines = "".join(f'{{"step": {s}, "loss": {s}.0}}\n' for s in (1, 2, 3, 4))
+  (tmp_path / "metrics.jsonl").write_text(lines + '{"step": 2, "eval_loss": 1.0}\n')
+  with k3metrics.MetricWriter(tmp_path, tensorboard=False, resume_step=2) as writer:
+    writer.write_scalars(3, {"loss": 0.5})
+  rows = k3metrics.read_jsonl(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r.get("loss")) for r in rows] == [(1, 1.0), (2, 2.0), (2, None),
+                                                        (3, 0.5)]
+
+
 def test_metrics_line_cut_by_a_kill_is_dropped(tmp_path):
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
   with k3metrics.MetricWriter(tmp_path, tensorboard=False) as writer:
@@ -265,6 +298,30 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, micro):
   saved = int(out.split("preempted: saved step ")[1].split(";")[0])
   assert 3 <= saved < 12 and max(_metrics(workdir)) == saved, out[-2000:]
   assert fault_injection.load_state(workdir, saved)   # committed, readable
+
+
+def test_sigterm_during_the_first_compile_exits_within_seconds(tmp_path, micro):
+  """Nothing new to save before the first step runs: the process ends at once, not after
+  the compile (minutes) and a step. A new learning rate makes the step a new program."""
+  config, env = micro
+  cmd = fault_injection.train_command(config, str(tmp_path / "run"),
+                                      ["--config.optimizer.learning_rate=0.0123"])
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, cwd=fault_injection.REPO)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("train: steps 0 -> 12"):   # printed as the first step starts
+      break
+  time.sleep(2.0)
+  sent = time.monotonic()
+  proc.send_signal(signal.SIGTERM)
+  out = "".join(lines) + proc.communicate(timeout=60)[0]
+  waited = time.monotonic() - sent
+  assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+  assert "SIGTERM before the first step of this run: nothing new to save" in out
+  assert waited < 5.0, waited
+  assert not os.path.exists(tmp_path / "run" / "checkpoints" / "1")
 
 
 @pytest.mark.slow

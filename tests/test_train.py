@@ -3,6 +3,8 @@ uninterrupted one."""
 
 import json
 import os
+import pathlib
+import sys
 
 import jax
 import numpy as np
@@ -14,6 +16,9 @@ from k3jax import config as k3config
 from k3jax import data as k3data
 from k3jax import parallel, program, scoring
 from k3jax import train as k3train
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_trace  # noqa: E402  (benchmarks/ is not a package)
 
 
 def train_config():
@@ -66,10 +71,18 @@ def test_loss_falls(uninterrupted):
 
 
 def test_resumed_run_equals_uninterrupted(uninterrupted, tmp_path):
+  """... and tracing steps 4-5 with the profiler (--profile_steps) changes nothing."""
   workdir, params, rest, _ = uninterrupted
   resumed = str(tmp_path)
-  k3train.train(train_config(), resumed, stop_after=5)  # stops at step 5, saved there
+  k3train.train(train_config(), resumed, stop_after=5,   # stops at step 5, saved there
+                profile_steps=(4, 5))
   assert sorted(losses(resumed)) == list(range(1, 6))
+  profiled = os.path.join(resumed, "profile")
+  table = "\n".join(gpu_trace.component_table(
+      gpu_trace.gpu_kernels(gpu_trace.load(pathlib.Path(profiled))),
+      gpu_trace.parse_hlo(open(os.path.join(profiled, "train_step.hlo.txt")).read())))
+  for component in ("| kda |", "| mla |", "| attn_res |", "| moe.experts |", "| optimizer |"):
+    assert component in table, table
   params2, rest2 = k3train.train(train_config(), resumed)  # the same command again
   got, want = losses(resumed), losses(workdir)
   assert [got[s] for s in range(6, 13)] == [want[s] for s in range(6, 13)]

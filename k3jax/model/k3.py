@@ -94,22 +94,33 @@ class Layer(nnx.Module):
     self.is_mla = mixer == "mla"
 
   def _read(self, stream, query):
-    return attn_res.read(stream, query) if self.attn_res else stream
+    if not self.attn_res:
+      return stream
+    with jax.named_scope("attn_res"):
+      return attn_res.read(stream, query)
 
   def _write(self, stream, out):
-    return attn_res.write(stream, out, self.block_sublayers) if self.attn_res else stream + out
+    if not self.attn_res:
+      return stream + out
+    with jax.named_scope("attn_res"):
+      return attn_res.write(stream, out, self.block_sublayers)
 
   def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array):
     """stream: a BlockState (AttnRes) or the residual [B, T, d]. Returns (stream, aux):
-    aux holds the mixer's aux (MLA: "logit_max" [H]) and, for a MoE layer, "moe"."""
+    aux holds the mixer's aux (MLA: "logit_max" [H]) and, for a MoE layer, "moe".
+
+    The named scopes ("kda"/"mla", "moe"/"ffn", "attn_res") label the compiled ops for
+    profiles (benchmarks/step_components.py)."""
     h = self._read(stream, self.mixer_query if self.attn_res else None)
-    out, aux = self.mixer(self.mixer_norm(h), segment_ids)
+    with jax.named_scope("mla" if self.is_mla else "kda"):
+      out, aux = self.mixer(self.mixer_norm(h), segment_ids)
     stream = self._write(stream, out)
     h = self._read(stream, self.ffn_query if self.attn_res else None)
-    if self.is_moe:
-      out, aux["moe"] = self.ffn(self.ffn_norm(h), valid)
-    else:
-      out = self.ffn(self.ffn_norm(h))
+    with jax.named_scope("moe" if self.is_moe else "ffn"):
+      if self.is_moe:
+        out, aux["moe"] = self.ffn(self.ffn_norm(h), valid)
+      else:
+        out = self.ffn(self.ffn_norm(h))
     return self._write(stream, out), aux
 
   def step(self, stream, cache: dict, pos: jax.Array):
@@ -232,15 +243,14 @@ class K3Model(nnx.Module):
     "logit_max" (per head) on MLA layers. `update_balance` and `qk_clip` consume it.
     """
     valid = segment_ids > 0
-    if media is None:
-      x = embedding.lookup(self.embed[...], tokens, self.dtype)
-      x = constrain(x, ("batch", "seq", "embed"))
-    else:
-      x = self.embed_with_images(tokens, media)
-    if self.use_attn_res:
-      stream = attn_res.init_state(x, self.num_slots)
-    else:
-      stream = x
+    with jax.named_scope("embed"):
+      if media is None:
+        x = embedding.lookup(self.embed[...], tokens, self.dtype)
+        x = constrain(x, ("batch", "seq", "embed"))
+      else:
+        x = self.embed_with_images(tokens, media)
+    with jax.named_scope("attn_res"):
+      stream = attn_res.init_state(x, self.num_slots) if self.use_attn_res else x
 
     def run_layer(layer, stream):
       return self._remat(lambda s: layer(s, segment_ids, valid))(stream)
@@ -264,7 +274,8 @@ class K3Model(nnx.Module):
       stream, a = run_layer(layer, stream)
       aux["suffix"].append(a)
 
-    h = attn_res.read(stream, self.out_query) if self.use_attn_res else stream
+    with jax.named_scope("attn_res"):
+      h = attn_res.read(stream, self.out_query) if self.use_attn_res else stream
     return constrain(self.final_norm(h), ("batch", "seq", "embed")), aux
 
   def embed_images(self, media: PackedMedia) -> jax.Array:

@@ -134,11 +134,12 @@ class LatentMoE(nnx.Module):
     x = constrain(x, ("batch", "seq", "embed"))
     valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
 
-    scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32))).reshape(n, n_exp)  # [N, E]
-    x = x.astype(self.dtype)
     quantile = self.balancing == "quantile"
-    bias = self.bias[...] if quantile else jnp.zeros((n_exp,), jnp.float32)
-    idx, weights, alpha = route_per_device(scores, bias, k)  # [N, k], [N, k], [N]
+    with jax.named_scope("router"):
+      scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32))).reshape(n, n_exp)  # [N, E]
+      bias = self.bias[...] if quantile else jnp.zeros((n_exp,), jnp.float32)
+      idx, weights, alpha = route_per_device(scores, bias, k)  # [N, k], [N, k], [N]
+    x = x.astype(self.dtype)
 
     z = constrain(self.w_down(x), ("batch", "seq", "latent"))  # [B, T, L]
     act = glu_activation(self.activation, self.b1, self.b2)
@@ -155,6 +156,30 @@ class LatentMoE(nnx.Module):
                        f"moe.dispatch={self.dispatch!r} is {dispatch!r} here ({platform}): "
                        "set moe.dispatch to a dropless one or moe.token_chunk=0")
     w_g, w_u, w_d = self.expert_weights()
+    u, dropped = self._dispatch(dispatch, platform, z, idx, w, (w_g, w_u, w_d), act,
+                                 flat_valid)
+    u = constrain(u.reshape(b, t, -1), ("batch", "seq", "latent"))  # fp32
+    y = self.w_up(self.latent_norm(u).astype(self.dtype))
+    with jax.named_scope("shared"):
+      for mlp in self.shared:
+        y = y + mlp(x)
+    y = constrain(y, ("batch", "seq", "embed"))
+
+    with jax.named_scope("router"):
+      if quantile:
+        counts = qb.histogram(scores, alpha, bias, self.balance_bins, flat_valid,
+                              cutoff=self.balance_cutoff)
+      else:
+        counts = jnp.zeros((n_exp, self.balance_bins), jnp.int32)
+      load = qb.load_stats(idx, n_exp, flat_valid)["load"]
+    return y, {"counts": counts, "load": load, "dropped": dropped}
+
+  @jax.named_scope("dispatch")
+  def _dispatch(self, dispatch, platform, z, idx, w, experts_w, act, flat_valid):
+    """u [N, L] fp32 (rows of z [B, T, L] through their experts, weighted by w [N, k]) and
+    the count of dropped (token, expert) pairs, by the resolved `dispatch`."""
+    (b, t, _), k, n_exp = z.shape, self.top_k, self.num_experts
+    n, (w_g, w_u, w_d) = b * t, experts_w
     if dispatch == "dropless":
       experts = ragged_glu_experts(w_g, w_u, w_d, act, self.dtype, self.gmm_backend, platform)
       u = dropless_moe(z.reshape(n, -1), idx, w, experts, n_exp, self.token_chunk)
@@ -176,19 +201,7 @@ class LatentMoE(nnx.Module):
         u, kept = capacity_moe(z.reshape(n, -1).astype(self.dtype), idx, w, experts, n_exp,
                                b * slices, capacity)
       dropped = jnp.sum(~kept.reshape(n, k) & flat_valid[:, None], dtype=jnp.int32)
-    u = constrain(u.reshape(b, t, -1), ("batch", "seq", "latent"))  # fp32
-    y = self.w_up(self.latent_norm(u).astype(self.dtype))
-    for mlp in self.shared:
-      y = y + mlp(x)
-    y = constrain(y, ("batch", "seq", "embed"))
-
-    if quantile:
-      counts = qb.histogram(scores, alpha, bias, self.balance_bins, flat_valid,
-                            cutoff=self.balance_cutoff)
-    else:
-      counts = jnp.zeros((n_exp, self.balance_bins), jnp.int32)
-    load = qb.load_stats(idx, n_exp, flat_valid)["load"]
-    return y, {"counts": counts, "load": load, "dropped": dropped}
+    return u, dropped
 
 
 def update_bias(target: LatentMoE | qb.BalanceBias, counts: jax.Array, k: int | None = None):

@@ -1,0 +1,120 @@
+"""A traced step's kernels land in the model component and phase that ran them: named scopes
+through the compiled HLO's op names, and library kernels inside a CUDA graph by the
+schedule of the program (benchmarks/gpu_trace.py); `--profile_steps` is parsed strictly."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from k3jax import profile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_trace  # noqa: E402  (benchmarks/ is not a package)
+
+
+def test_op_names_give_component_and_phase():
+  cases = {
+      "jit(train_step)/jvp()/while/body/closed_call/kda/dot_general": ("kda", "forward"),
+      "jit(train_step)/transpose(jvp(moe))/dispatch/experts/mpmd_map":
+          ("moe.experts", "backward"),
+      "jit(s)/transpose(jvp())/checkpoint/rematted_computation/attn_res/mul":
+          ("attn_res", "recompute"),
+      "jit(train_step)/jvp(moe)/router/logistic": ("moe.router", "forward"),
+      "jit(train_step)/optimizer/muon/dot_general": ("optimizer", "update"),
+      "jit(train_step)/jvp()/while/body/add": ("other", "forward"),
+  }
+  for op_name, want in cases.items():
+    assert gpu_trace.component(op_name) == want, op_name
+
+
+def _custom_call(name, operand, target, op_name):
+  return (f'  %{name} = f32[4]{{0}} custom-call(%{operand}), custom_call_target="{target}", '
+          f'metadata={{op_name="jit(train_step)/{op_name}"}}')
+
+
+HLO = "\n".join([
+    "HloModule jit_train_step, is_scheduled=true",
+    "",
+    "%fused_computation.1 (p: f32[4]) -> f32[4] {",
+    "  %p = f32[4]{0} parameter(0)",
+    '  ROOT %tanh.1 = f32[4]{0} tanh(%p), metadata={op_name="jit(train_step)/jvp(kda)/tanh"}',
+    "}",
+    "",
+    "ENTRY %main.9 (a: f32[4]) -> f32[4] {",
+    "  %a = f32[4]{0} parameter(0)",
+    "  %fusion.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1",
+    _custom_call("custom-call.2", "fusion.1", "__cublas$lt$matmul", "jvp(kda)/dot_general"),
+    "  %copy.3 = f32[4]{0} copy(%custom-call.2)",
+    _custom_call("custom-call.4", "copy.3", "mosaic_gpu_v2",
+                 "jvp(moe)/dispatch/experts/mpmd_map"),
+    _custom_call("custom-call.5", "custom-call.4", "__cublas$lt$matmul",
+                 "transpose(jvp(mla))/dot_general"),
+    "  ROOT %fusion.6 = f32[4]{0} fusion(%custom-call.5), kind=kLoop, "
+    'calls=%fused_computation.1, metadata={op_name="jit(train_step)/optimizer/add"}',
+    "}",
+])
+
+
+def test_kernels_in_a_command_buffer_follow_the_schedule():
+  """The graph's kernels name only the buffer: a fusion kernel by its own name, the library
+  kernels as the next custom call of their kind in the schedule, a memset as its
+  neighbour; a fused computation's op name stands in for a fusion without one, and a copy
+  XLA added takes its operand's."""
+  hlo = gpu_trace.parse_hlo(HLO)
+  assert hlo.op_names["fusion.1"] == "jit(train_step)/jvp(kda)/tanh"
+  assert hlo.op_names["copy.3"] == "jit(train_step)/jvp(kda)/dot_general"
+  graph = [("fusion_1", 10), ("nvjet_sm90_tst_128x256", 20), ("Memset 0", 2),
+           ("body_mosaic_gpu_kernel", 30), ("sm90_xmma_gemm_bf16", 30), ("fusion_6", 8)]
+  kernels = [gpu_trace.Kernel(name, 1e3 * i, 1e3 * ms, "command_buffer_7", "")   # us
+             for i, (name, ms) in enumerate(graph)]
+  got = [(gpu_trace.component(op)[0], how)
+         for op, how in gpu_trace.attribute(kernels, hlo)]
+  assert got == [("kda", "named"), ("kda", "scheduled"), ("kda", "neighbour"),
+                 ("moe.experts", "scheduled"), ("mla", "scheduled"), ("optimizer", "named")]
+  table = "\n".join(gpu_trace.component_table(kernels, hlo))
+  # of 100 ms: kda 32 forward, mla 30 backward, experts 30 forward, optimizer 8 update
+  assert "| kda | 32.0 | 0.0 | 0.0 | 0.0 | 32.0 | 32.0% |" in table, table
+  assert "| mla | 0.0 | 0.0 | 30.0 | 0.0 | 30.0 | 30.0% |" in table, table
+  assert "| optimizer | 0.0 | 0.0 | 0.0 | 8.0 | 8.0 | 8.0% |" in table, table
+  assert "scheduled 80.0%, named 18.0%, neighbour 2.0%" in table, table
+
+
+def test_a_cpu_trace_of_a_scoped_step_is_split_by_component(tmp_path):
+  """End to end on this machine: the profiler's trace of a jitted gradient step whose parts
+  run under the model's scope names, the compiled HLO beside it."""
+  def loss(w, x):
+    with jax.named_scope("kda"):
+      x = jnp.tanh(x @ w)
+    with jax.named_scope("moe"), jax.named_scope("experts"):
+      x = jnp.sin(x @ w)
+    return jnp.sum(x ** 2)
+
+  step = jax.jit(jax.grad(loss))
+  w, x = jnp.ones((256, 256)) / 256, jnp.ones((512, 256))
+  compiled = step.lower(w, x).compile()
+  compiled(w, x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+    compiled(w, x).block_until_ready()
+  kernels = gpu_trace.gpu_kernels(gpu_trace.load(tmp_path))
+  hlo = gpu_trace.parse_hlo(compiled.as_text())
+  table = "\n".join(gpu_trace.component_table(kernels, hlo))
+  rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+  assert "kda" in rows and "moe.experts" in rows, table
+  for row in ("kda", "moe.experts"):   # forward and backward both ran
+    fwd, _, bwd = (float(c) for c in rows[row].split(" | ")[1:4])
+    assert fwd > 0 and bwd > 0, table
+
+
+@pytest.mark.parametrize("spec, want", [("5", (5, 5)), ("3,7", (3, 7)), ("", None),
+                                        (None, None)])
+def test_profile_steps_parse(spec, want):
+  assert profile.parse_steps(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["0", "7,3", "x", "1,2,3"])
+def test_profile_steps_refuse_nonsense(spec):
+  with pytest.raises(ValueError, match="--profile_steps"):
+    profile.parse_steps(spec)
