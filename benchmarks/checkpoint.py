@@ -15,6 +15,9 @@ Measured in one run, on the same filesystem (everything under --dir, removed at 
   async save  a jitted step of fixed cost (a chain of matmuls, ~--step_ms) timed alone,
               then while an async save is in flight; also the time `save` blocks the
               caller (the device-to-host copy) and the save's duration in steps
+  checksums   `k3jax.checksums.checksums` of the state (what `save` computes before it
+              writes) and of the restored state (what `restore` computes to verify), each
+              timed alone in every rep, as a share of that rep's save and cold restore
 
 Each of save, restore and async save runs twice: with orbax's default zstd compression of
 every array (`Checkpointer(compress=True)`, the default) and without (`compress=False`).
@@ -48,6 +51,7 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 from k3jax.checkpoint import Checkpointer  # noqa: E402
+from k3jax.checksums import checksums  # noqa: E402
 
 MIB = 2**20
 
@@ -139,6 +143,7 @@ def measure(args, root, state, abstract, size, step_fn, x, dd_write, dd_read, na
   restores, and the step time with an async save in flight."""
   gib = size / 2**30
   saves, synced, colds, warms, cpu_save, cpu_restore = [], [], [], [], [], []
+  sum_save, sum_restore = [], []   # (checksum seconds, save or restore seconds)
   work = os.path.join(root, "run")
   with Checkpointer(work, keep=1, async_save=False, compress=compress) as ckpt:
     for r in range(args.reps):
@@ -154,12 +159,19 @@ def measure(args, root, state, abstract, size, step_fn, x, dd_write, dd_read, na
       on_disk = du(stepdir)
       saves.append(size / t_save / 1e6)
       synced.append(size / t_sync / 1e6)
+      t = time.perf_counter()
+      want = checksums(state)
+      sum_save.append((time.perf_counter() - t, t_save))
       drop_cache(stepdir)
       t, c = time.perf_counter(), cpu_seconds()
       got, _ = ckpt.restore(step, abstract)
       jax.block_until_ready(got)
-      colds.append(size / (time.perf_counter() - t) / 1e6)
+      t_cold = time.perf_counter() - t
+      colds.append(size / t_cold / 1e6)
       cpu_restore.append((cpu_seconds() - c) / gib)
+      t = time.perf_counter()
+      assert checksums(got) == want
+      sum_restore.append((time.perf_counter() - t, t_cold))
       del got
       t = time.perf_counter()
       got, _ = ckpt.restore(step, abstract)
@@ -170,7 +182,10 @@ def measure(args, root, state, abstract, size, step_fn, x, dd_write, dd_read, na
                                       np.asarray(state["layer_00"]["w_in"]))
       del got
       print(f"{name} rep {r}: save {saves[-1]:.0f} MB/s, +sync {synced[-1]:.0f} MB/s, "
-            f"restore cold {colds[-1]:.0f} MB/s, warm {warms[-1]:.0f} MB/s; "
+            f"restore cold {colds[-1]:.0f} MB/s, warm {warms[-1]:.0f} MB/s; checksums "
+            f"{sum_save[-1][0] * 1e3:.0f} ms ({sum_save[-1][0] / sum_save[-1][1]:.1%} of the "
+            f"save), {sum_restore[-1][0] * 1e3:.0f} ms "
+            f"({sum_restore[-1][0] / sum_restore[-1][1]:.1%} of the cold restore); "
             f"{on_disk / 2**30:.2f} GiB on disk; loadavg {uptime()}", flush=True)
   shutil.rmtree(work)
 
@@ -201,18 +216,26 @@ def measure(args, root, state, abstract, size, step_fn, x, dd_write, dd_read, na
   interval = 1000  # config.train.checkpoint_every's default
   amortized = (np.median(blocked) + overlap * (during - base)) / (interval * base)
 
+  def share(pairs, of):   # median checksum time and its median share of the save / restore
+    secs = [c for c, _ in pairs]
+    return (f"{np.median(secs) * 1e3:.0f} ms ({size / np.median(secs) / 1e9:.1f} GB/s)",
+            f"{np.median([c / t for c, t in pairs]):.1%} of the {of}",
+            f"every rep: {', '.join(f'{c / t:.1%}' for c, t in pairs)}")
+
   best = max
   write = [
       (f"save, {name}: until orbax commits", f"{best(saves):,.0f} MB/s",
        f"{best(saves) / dd_write:.0%} of write", f"{np.median(cpu_save):.1f} CPU-s/GiB"),
       (f"save, {name}: + sync", f"{best(synced):,.0f} MB/s",
        f"{best(synced) / dd_write:.0%} of write", f"{on_disk / 2**30:.2f} GiB on disk"),
+      (f"checksums at save, {name}", *share(sum_save, "save")),
   ]
   read = [
       (f"restore, {name}: cold page cache", f"{best(colds):,.0f} MB/s",
        f"{best(colds) / dd_read:.0%} of read", f"{np.median(cpu_restore):.1f} CPU-s/GiB"),
       (f"restore, {name}: warm page cache", f"{best(warms):,.0f} MB/s",
        f"{best(warms) / dd_read:.0%} of read", ""),
+      (f"checksums at restore, {name}", *share(sum_restore, "cold restore")),
   ]
   notes = [
       f"{name}: async save in flight {np.median(save_secs):.1f} s (median of {rounds}); "

@@ -1,13 +1,21 @@
-"""Fault injection: kill -9 a training run at random steps, rerun the same command each time,
-and compare with an uninterrupted run bit for bit.
+"""Fault injection: kill -9 a training run at random steps, damage its newest checkpoint,
+rerun the same command each time, and compare with an uninterrupted run bit for bit.
 
   python benchmarks/fault_injection.py --set=optimizer.warmup_steps=5   # k3_tiny, 20 steps, 5 kills
   python benchmarks/fault_injection.py --steps=40 --kills=8 --seed=1 --write   # + results/*.md
+  python benchmarks/fault_injection.py --kills=1 --damage=zero,flip   # the damage faults only
 
 Both runs use the same command (`python -m k3jax.train --config=... --workdir=...`); the
 interrupted one is killed with SIGKILL after random logged steps, one of the kills while an
 async checkpoint save is in flight (the driver waits for orbax's temporary directory to
-appear), and rerun until it finishes. Compared: every array of the final train state
+appear), and rerun until it finishes. Each `--damage` fault adds one more kill, after which
+the newest committed checkpoint is damaged before the rerun:
+
+  zero  the data file holding the most array bytes overwritten with zeros, at its size
+  flip  8 bytes inverted at random places in the bytes of one random array
+
+and the rerun must find it (its log names the arrays whose checksums differ), move it aside
+and resume from the checkpoint before it. Compared: every array of the final train state
 (params, optimizer state, Quantile-Balancing biases) by bits, and every logged metric but
 the timings, at every step (metrics.jsonl, the last line per step: a rerun repeats the steps
 after its checkpoint). Each process start pays jax start-up and a compile; the persistent
@@ -167,6 +175,51 @@ def differences(ref_workdir: str, workdir: str) -> list[str]:
   return diffs
 
 
+def damage(step_dir: str, fault: str, rng: random.Random) -> str:
+  """Applies `fault` ("zero" or "flip", see the module docstring) to the state of the
+  checkpoint in `step_dir`; returns what was done, naming the file."""
+  from k3jax import checksums  # noqa: PLC0415  (jax: only when a damage fault is asked for)
+
+  chunks = [(path, *c) for path, cs in sorted(checksums.array_locations(step_dir).items())
+            for c in cs if c[1] >= 0]   # not the small arrays inlined in b-tree nodes
+  if not chunks:
+    raise RuntimeError(f"no array data files found in {step_dir}")
+  if fault == "zero":
+    sizes = {}
+    for _, file, _, length in chunks:
+      sizes[file] = sizes.get(file, 0) + length
+    file = max(sizes, key=sizes.get)
+    path = os.path.join(step_dir, file)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+      f.write(bytes(size))
+    return f"{file} zeroed ({size} bytes)"
+  if fault == "flip":
+    array, file, offset, length = rng.choice(chunks)
+    path = os.path.join(step_dir, file)
+    with open(path, "r+b") as f:
+      for at in sorted(rng.sample(range(offset, offset + length), min(8, length))):
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0xFF]))
+    return f"8 bytes of {array} inverted in {file}"
+  raise ValueError(f"unknown damage fault {fault!r}: zero or flip")
+
+
+def committed_steps(workdir: str) -> list[int]:
+  try:
+    return sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
+                  if n.isdigit())
+  except FileNotFoundError:
+    return []
+
+
+# restore_latest's warning: "<n> array(s) differ ...: <path> (<files>); <path> (<files>)): damaged"
+_DETECTED = re.compile(r"(\d+) array\(s\) differ from their checksums recorded at save: "
+                       r"(.*?)\): damaged")
+
+
 def kill_steps(steps: int, kills: int, checkpoint_every: int, seed: int) -> list[tuple[int, bool]]:
   """`kills` increasing (step, during_save) targets in [1, steps): random steps, one of them
   a checkpoint step where the kill waits for the save to be in flight."""
@@ -180,37 +233,66 @@ def kill_steps(steps: int, kills: int, checkpoint_every: int, seed: int) -> list
   return sorted([(s, False) for s in others] + [(at_save, True)])
 
 
+def damage_steps(steps: int, faults, checkpoint_every: int, taken, seed: int) -> list[int]:
+  """One kill step per damage fault, not in `taken`, late enough that two checkpoints are
+  committed (the damaged newest one and one to fall back to)."""
+  rng = random.Random(seed + 1)
+  free = [s for s in range(2 * checkpoint_every + 2, steps) if s not in taken]
+  if len(free) < len(faults):
+    raise ValueError(f"{len(faults)} damage faults need {len(faults)} free steps after step "
+                     f"{2 * checkpoint_every + 1} (steps={steps})")
+  return sorted(rng.sample(free, len(faults)))
+
+
 def fault_injection(config: str, root: str, *, steps: int, checkpoint_every: int, kills: int,
-                    seed: int, env: dict, overrides=(), timeout: float = 600.0) -> dict:
-  """Runs the reference and the interrupted run under `root`; returns a summary dict."""
+                    seed: int, env: dict, overrides=(), timeout: float = 600.0,
+                    damages=()) -> dict:
+  """Runs the reference and the interrupted run under `root`; returns a summary dict.
+  `damages`: damage faults ("zero", "flip"), each after a kill of its own."""
   overrides = [*overrides, f"--config.train.steps={steps}", "--config.train.log_every=1",
                f"--config.train.checkpoint_every={checkpoint_every}"]
   ref_dir, dir_ = os.path.join(root, "uninterrupted"), os.path.join(root, "killed")
   ref = run(train_command(config, ref_dir, overrides), env, ref_dir, timeout=timeout)
   if ref["returncode"] != 0:
     raise RuntimeError("the uninterrupted run failed:\n" + ref["output"][-3000:])
-  events = []
-  for target, during_save in kill_steps(steps, kills, checkpoint_every, seed):
+  plan = kill_steps(steps, kills, checkpoint_every, seed) if kills else []
+  damage_at = dict(zip(damage_steps(steps, damages, checkpoint_every,
+                                    {t for t, _ in plan}, seed), damages))
+  plan = sorted(plan + [(t, False) for t in damage_at]) + [(None, False)]
+  events, rng, damaged = [], random.Random(seed + 2), None   # damaged: (step, what)
+  for target, during_save in plan:
     r = run(train_command(config, dir_, overrides), env, dir_, kill_after=target,
             during_save=during_save, timeout=timeout)
     resumed = re.search(r"^restore: step (\d+)", r["output"], re.M)
+    detected = _DETECTED.search(r["output"])
     events.append({"target": target, "during_save": during_save, "killed": r["killed"],
+                   "damaged": damaged[1] if damaged else None,
+                   "detected": (f"{detected.group(1)}: " + re.sub(r" \([^)]*\)", "",
+                                                                  detected.group(2))
+                                if detected else None),   # how many arrays: their paths
+                   "fell_back": bool(damaged) and resumed is not None
+                   and int(resumed.group(1)) < damaged[0] and any(
+                       n.startswith(f"{damaged[0]}.corrupt")
+                       for n in os.listdir(os.path.join(dir_, "checkpoints"))),
                    "resumed_from": int(resumed.group(1)) if resumed else 0,
                    "last_logged": r["last_step"], "in_flight": r["in_flight"],
                    "seconds": round(r["seconds"], 1)})
-    if not r["killed"]:
+    damaged = None
+    if target is None:
+      if r["returncode"] != 0:
+        raise RuntimeError("the final rerun failed:\n" + r["output"][-3000:])
+    elif not r["killed"]:
       raise RuntimeError(f"the run ended before the kill at step {target} "
                          f"(rc {r['returncode']}):\n" + r["output"][-3000:])
-  final = run(train_command(config, dir_, overrides), env, dir_, timeout=timeout)
-  if final["returncode"] != 0:
-    raise RuntimeError("the final rerun failed:\n" + final["output"][-3000:])
-  resumed = re.search(r"^restore: step (\d+)", final["output"], re.M)
-  events.append({"target": None, "during_save": False, "killed": False,
-                 "resumed_from": int(resumed.group(1)) if resumed else 0,
-                 "last_logged": final["last_step"], "in_flight": [],
-                 "seconds": round(final["seconds"], 1)})
+    elif target in damage_at:
+      have = committed_steps(dir_)
+      if len(have) < 2:
+        raise RuntimeError(f"damage after step {target}: {len(have)} committed checkpoint(s)")
+      what = damage(os.path.join(dir_, "checkpoints", str(have[-1])), damage_at[target], rng)
+      damaged = (have[-1], f"step {have[-1]}: {what}")
   return {"config": config, "overrides": list(overrides), "steps": steps,
-          "checkpoint_every": checkpoint_every, "seed": seed, "events": events,
+          "checkpoint_every": checkpoint_every, "seed": seed, "kills": kills,
+          "damages": list(damages), "events": events,
           "reference_seconds": round(ref["seconds"], 1),
           "differences": differences(ref_dir, dir_)}
 
@@ -234,32 +316,53 @@ def environment() -> dict:
           "device": f"{cpu}, {os.cpu_count()} cores (x86-64, CPU backend)", "versions": versions}
 
 
+def undetected(summary: dict) -> list[str]:
+  """The damaged checkpoints a rerun did not find, move aside and resume before."""
+  return [e["damaged"] for e in summary["events"]
+          if e.get("damaged") and not (e["detected"] and e["fell_back"])]
+
+
 def markdown(summary: dict) -> str:
   """The summary as the table in benchmarks/results/fault_injection.md."""
-  rows = ["| run | kill after step | during a save | resumed from | last logged step "
-          "| save in flight at the kill | seconds |", "|---|---|---|---|---|---|---|"]
+  rows = ["| run | damaged before this run | found (arrays named) | kill after step "
+          "| during a save | resumed from | last logged step | save in flight at the kill "
+          "| seconds |", "|---|---|---|---|---|---|---|---|---|"]
   for i, e in enumerate(summary["events"], 1):
-    rows.append(f"| {i} | {e['target'] if e['target'] is not None else '- (to the end)'} "
+    found = "**no**" if e.get("damaged") else "-"
+    if e.get("detected") and e.get("fell_back"):
+      count, names = e["detected"].split(": ", 1)
+      found = (f"{count} array{'s' if count != '1' else ''}: {names.split('; ')[0]}"
+               + (", ..." if count != "1" else "") + "; moved aside")
+    rows.append(f"| {i} | {e.get('damaged') or '-'} | {found} "
+                f"| {e['target'] if e['target'] is not None else '- (to the end)'} "
                 f"| {'yes' if e['during_save'] else 'no'} | {e['resumed_from']} "
                 f"| {e['last_logged']} | {', '.join(e['in_flight']) or '-'} | {e['seconds']} |")
   diffs = summary["differences"]
+  missed = undetected(summary)
   verdict = ("bit for bit equal: final train state (every array) and every logged metric "
              "but timings at every step" if not diffs else
              f"NOT equal, {len(diffs)} differences:\n\n" + "\n".join(f"- {d}" for d in diffs[:50]))
+  if missed:
+    verdict += "\n\nDamage NOT found by the rerun: " + "; ".join(missed)
   env = summary.get("environment") or environment()
   saves = sum(e["during_save"] and bool(e["in_flight"]) for e in summary["events"])
-  return (f"# Fault injection: kill -9 and rerun, against an uninterrupted run\n\n"
+  damaged = " and damaged checkpoints" if summary.get("damages") else ""
+  return (f"# Fault injection: kill -9{damaged} and rerun, against an uninterrupted run\n\n"
           f"{env['time']}; {env['device']}; "
           + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + "; "
           f"`python benchmarks/fault_injection.py "
           f"--config={summary['config']} --steps={summary['steps']} "
           f"--checkpoint_every={summary['checkpoint_every']} "
-          f"--kills={len(summary['events']) - 1} --seed={summary['seed']}"
+          f"--kills={summary.get('kills', len(summary['events']) - 1)} --seed={summary['seed']}"
+          + (f" --damage={','.join(summary['damages'])}" if summary.get("damages") else "")
           + "".join(f" --set={o.removeprefix('--config.')}" for o in summary["overrides"]
                     if o.split("=")[0] not in _DRIVER_FIELDS)
           + "` on CPU.\n\n"
           f"{len(summary['events']) - 1} kills (SIGKILL), {saves} of them with an async "
-          f"checkpoint save in flight. Uninterrupted run: {summary['reference_seconds']} s; "
+          f"checkpoint save in flight"
+          + (f", {len(summary['damages'])} of them followed by damage to the newest checkpoint"
+             if summary.get("damages") else "") + ". "
+          f"Uninterrupted run: {summary['reference_seconds']} s; "
           "interrupted run, all processes: "
           f"{round(sum(e['seconds'] for e in summary['events']), 1)}"
           f" s; whole benchmark: {summary.get('total_seconds', '-')} s.\n\n" + "\n".join(rows)
@@ -273,6 +376,8 @@ def main():
   p.add_argument("--checkpoint_every", type=int, default=5)
   p.add_argument("--kills", type=int, default=5)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--damage", default="zero,flip",
+                 help="damage faults, each after a kill of its own: zero, flip (or none)")
   p.add_argument("--cache_dir", default=os.path.join(tempfile.gettempdir(),
                                                      "k3jax-fault-injection-cache"))
   p.add_argument("--workdir", default=None, help="default: a new temporary directory")
@@ -285,7 +390,8 @@ def main():
   t0, env = time.time(), environment()
   summary = fault_injection(a.config, root, steps=a.steps, checkpoint_every=a.checkpoint_every,
                             kills=a.kills, seed=a.seed, env=subprocess_env(a.cache_dir),
-                            overrides=[f"--config.{x}" for x in a.set], timeout=a.timeout)
+                            overrides=[f"--config.{x}" for x in a.set], timeout=a.timeout,
+                            damages=[d for d in a.damage.split(",") if d not in ("", "none")])
   summary.update(environment=env, total_seconds=round(time.time() - t0, 1))
   print(json.dumps(summary, indent=1))
   text = markdown(summary)
@@ -293,7 +399,7 @@ def main():
   if a.write:
     with open(os.path.join(REPO, "benchmarks", "results", "fault_injection.md"), "w") as f:
       f.write(text)
-  sys.exit(1 if summary["differences"] else 0)
+  sys.exit(1 if summary["differences"] or undetected(summary) else 0)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ One `Checkpointer` per run wraps an `orbax.checkpoint.CheckpointManager` over
   data      the data iterator's `get_state()` (a dict, or bytes stored as base64), as JSON
   config    the experiment config (`cfg.to_json()`), as JSON
   progress  the trainer's counters (a small JSON dict, e.g. skipped steps)
+  checksums one checksum per array of `state` (`checksums()`), as JSON, written by process 0
 
 Orbax writes a step into a temporary directory, writes `commit_success.txt` into it and
 renames it only when every item is complete; `latest_step` and `restore` see finalized
@@ -16,10 +17,13 @@ happens inside `save` and the file writes in a background thread: the caller may
 overwrite the saved arrays right after `save` returns, and must call `wait()` (or
 `close()`) before the process exits.
 
-`restore_latest` is what a trainer calls: it checks the stored config against the current
-one, and a newest step that cannot be read (no commit marker, garbled or missing metadata,
-a truncated array file) is moved aside to `<step>.corrupt` with a warning naming it and the
-step used instead.
+`restore` and `restore_latest` verify every restored array against its checksum recorded at
+save (steps saved without checksums restore unverified). `restore_latest` is what a trainer
+calls: it checks the stored config against the current one, and a newest step that cannot be
+read (no commit marker, garbled or missing metadata, a truncated array file) or whose arrays
+differ from their checksums (a zeroed or overwritten array file) is moved aside to
+`<step>.corrupt` with a warning naming it, the arrays and their files, and the step used
+instead.
 
   ckpt = Checkpointer(workdir, keep=cfg.train.keep_checkpoints,
                       keep_every=cfg.train.keep_checkpoint_every,
@@ -48,6 +52,8 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from k3jax.checksums import CHECKSUM_FORMAT, array_locations, checksums, path_str
+
 DataState = dict | bytes | None
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last, before the final rename
 CORRUPT_SUFFIX = ".corrupt"
@@ -55,6 +61,10 @@ CORRUPT_SUFFIX = ".corrupt"
 
 class IncompatibleCheckpoint(ValueError):
   """A checkpoint saved under a config that disagrees on a field the state depends on."""
+
+
+class DamagedCheckpoint(ValueError):
+  """A checkpoint step whose restored arrays differ from the checksums recorded at save."""
 
 
 class _Unreadable(Exception):
@@ -117,20 +127,9 @@ def _json_default(x):
   raise TypeError(f"not JSON-serializable in the data iterator state: {type(x).__name__}")
 
 
-def _key_name(k) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def _path_str(path) -> str:
-  return "/".join(_key_name(k) for k in path)
-
-
 def _flat_shapes(tree) -> dict[str, tuple]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {_path_str(p): tuple(getattr(x, "shape", np.shape(x))) for p, x in leaves}
+  return {path_str(p): tuple(getattr(x, "shape", np.shape(x))) for p, x in leaves}
 
 
 def check_shapes(stored: Any, target: Any, *, where: str = "checkpoint") -> None:
@@ -187,6 +186,8 @@ def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
   return handler
 
 
+
+
 def restore_params(workdir: str, abstract_state: tuple, *, config_json: str, must_match=(),
                    field: str = "workdir"):
   """(step, params, rest) of the latest checkpoint in `workdir`, a run's (train state) or
@@ -213,17 +214,20 @@ class Checkpointer:
   """Saves and restores train state, data iterator state and config under a workdir."""
 
   STATE, DATA, CONFIG, PROGRESS = "state", "data", "config", "progress"
+  CHECKSUMS = "checksums"
 
   def __init__(self, workdir: epath.PathLike, *, keep: int | None = 3,
                keep_every: int | None = None, save_every: int = 1, async_save: bool = True,
-               compress: bool = True):
+               compress: bool = True, checksums: bool = True):
     """`keep`: number of newest checkpoints kept (None or <= 0: all); `keep_every`: steps
     that are multiples of it are kept as well, for good (None or <= 0: none; it must be a
     multiple of `save_every`, or no step would be both saved and kept); `save_every`: `save`
     writes only steps that are multiples of it (unless forced or preempted); `compress`:
     zstd on every array (orbax's default; ~2x the CPU time of a save and a restore for a
-    few % less disk on fp32 weights: benchmarks/results/checkpoint.md). Raises OSError
-    naming the directory if it cannot be written."""
+    few % less disk on fp32 weights: benchmarks/results/checkpoint.md); `checksums`: `save`
+    records each array's checksum (False: steps as saved before checksums existed; restores
+    verify whatever a step holds either way). Raises OSError naming the directory if it
+    cannot be written."""
     if save_every < 1:
       raise ValueError(f"Checkpointer: save_every must be >= 1, got {save_every}")
     keep_every = keep_every if keep_every and keep_every > 0 else None
@@ -231,7 +235,7 @@ class Checkpointer:
       raise ValueError(f"Checkpointer: keep_every={keep_every} is not a multiple of "
                        f"save_every={save_every}: only steps that are multiples of "
                        f"{np.lcm(keep_every, save_every)} would be kept")
-    self.save_every, self.keep_every = save_every, keep_every
+    self.save_every, self.keep_every, self.record_checksums = save_every, keep_every, checksums
     # Absolute: orbax's tensorstore writer refuses relative paths (`--workdir=runs/x`).
     self.directory = check_writable(epath.Path(os.path.abspath(workdir)) / "checkpoints")
     # A step survives if any policy keeps it: the `keep` newest, and every keep_every-th.
@@ -250,7 +254,8 @@ class Checkpointer:
         item_handlers={self.STATE: _state_handler(compress),
                        self.DATA: ocp.JsonCheckpointHandler(),
                        self.CONFIG: ocp.JsonCheckpointHandler(),
-                       self.PROGRESS: ocp.JsonCheckpointHandler()})
+                       self.PROGRESS: ocp.JsonCheckpointHandler(),
+                       self.CHECKSUMS: ocp.JsonCheckpointHandler()})
 
   def all_steps(self) -> list[int]:
     """Finalized steps, ascending."""
@@ -276,10 +281,14 @@ class Checkpointer:
            force: bool = False) -> bool:
     """Save `state` (+ the data iterator state, config and progress counters) at `step` if
     `should_save(step)` or `force`; returns whether a save was started. A step that is
-    already saved is skipped even when forced. `step` counts completed updates."""
+    already saved is skipped even when forced. `step` counts completed updates. The arrays'
+    checksums are computed before this returns (the caller may then overwrite them)."""
     if step in self._mgr.all_steps() or not (force or self.should_save(step)):
       return False
     items = {self.STATE: ocp.args.StandardSave(state)}
+    if self.record_checksums:
+      items[self.CHECKSUMS] = ocp.args.JsonSave({"format": CHECKSUM_FORMAT,
+                                                 "arrays": checksums(state)})
     if data_iter_state is not None:
       encoded = json.loads(json.dumps(_encode_data_state(data_iter_state),
                                       default=_json_default))
@@ -307,8 +316,9 @@ class Checkpointer:
     shardings and cast to those dtypes. The shardings may be of another mesh and device
     count than the save's (e.g. saved on fsdp=8, restored on data=2 x fsdp=2 over 4
     devices). A stored shape that differs from the target's raises ValueError naming the
-    parameter path and both shapes. data_iter_state is
-    None when the step was saved without one.
+    parameter path and both shapes; an array that differs from its checksum recorded at save
+    raises DamagedCheckpoint naming it and its files. data_iter_state is None when the step
+    was saved without one.
     """
     self.wait()
     if step not in self._mgr.all_steps():
@@ -321,17 +331,46 @@ class Checkpointer:
     has_data = self._has_item(step, self.DATA)
     if has_data:
       items[self.DATA] = ocp.args.JsonRestore()
+    if self._has_item(step, self.CHECKSUMS):
+      items[self.CHECKSUMS] = ocp.args.JsonRestore()
     restored = self._mgr.restore(step, args=ocp.args.Composite(**items))
+    if self.CHECKSUMS in items:
+      self._verify(step, restored[self.STATE], restored[self.CHECKSUMS])
     data = _decode_data_state(restored[self.DATA]) if has_data else None
     return restored[self.STATE], data
+
+  def _verify(self, step: int, state: Any, stored) -> None:
+    """DamagedCheckpoint naming each array of `state` that differs from the checksum recorded
+    at save (`stored`: the step's checksums item) and the files holding it. Arrays restored
+    into another dtype than they were saved in cannot be compared and are skipped."""
+    path = self.directory / str(step)
+    if not isinstance(stored, dict) or stored.get("format") != CHECKSUM_FORMAT:
+      raise DamagedCheckpoint(f"checkpoint {str(path)!r}: checksums item is not "
+                              f"{CHECKSUM_FORMAT!r}: {str(stored)[:100]}")
+    want, got = stored.get("arrays") or {}, checksums(state)
+    try:
+      bad = [k for k, g in got.items() if k in want and want[k]["dtype"] == g["dtype"]
+             and want[k]["checksum"] != g["checksum"]]
+    except (KeyError, TypeError) as e:
+      raise DamagedCheckpoint(f"checkpoint {str(path)!r}: checksums item garbled: "
+                              f"{type(e).__name__}: {e}") from e
+    if bad:
+      where = array_locations(path)
+      names = [k + (f" ({', '.join(sorted({f for f, _, _ in where[k]}))})" if where.get(k)
+                    else "") for k in bad]
+      raise DamagedCheckpoint(
+          f"checkpoint {str(path)!r}: {len(bad)} array(s) differ from their checksums "
+          f"recorded at save: " + "; ".join(names[:10])
+          + (f"; and {len(bad) - 10} more" if len(bad) > 10 else ""))
 
   def restore_latest(self, abstract_state: Any, *, config_json: str | None = None,
                      must_match=()) -> Restored | None:
     """The newest readable step as Restored(step, state, data, progress); None when the
     directory holds no checkpoint.
 
-    A step without its commit marker, or whose metadata, config or arrays cannot be read,
-    is moved aside to `<step>.corrupt` and the next older one tried; a warning names both.
+    A step without its commit marker, whose metadata, config or arrays cannot be read, or
+    whose arrays differ from their checksums, is moved aside to `<step>.corrupt` and the
+    next older one tried; a warning names both, and the damaged arrays and their files.
     With `config_json`, the config stored with the step must agree on the dotted fields
     `must_match` (IncompatibleCheckpoint names each that differs); a stored shape that
     differs from `abstract_state`'s raises ValueError (see `restore`). Raises
@@ -347,7 +386,7 @@ class Checkpointer:
         self._move_aside(step)
         continue
       if bad:
-        logging.warning("checkpoint: %s unreadable, moved aside to <step>%s; restored step %d "
+        logging.warning("checkpoint: %s: damaged, moved aside to <step>%s; restored step %d "
                         "from %s instead", "; ".join(bad), CORRUPT_SUFFIX, step,
                         self.directory)
       return got
@@ -380,7 +419,7 @@ class Checkpointer:
       raise _Unreadable("state metadata: missing")
     check_shapes(tree, abstract_state, where=where)
     items = {self.STATE: ocp.args.StandardRestore(abstract_state)}
-    for name in (self.DATA, self.PROGRESS):
+    for name in (self.DATA, self.PROGRESS, self.CHECKSUMS):
       if self._has_item(step, name):
         items[name] = ocp.args.JsonRestore()
     try:
@@ -388,6 +427,11 @@ class Checkpointer:
       state = jax.block_until_ready(got[self.STATE])  # a truncated file fails here, not later
     except Exception as e:  # noqa: BLE001
       raise _Unreadable(_short(e)) from e
+    if self.CHECKSUMS in items:
+      try:
+        self._verify(step, state, got[self.CHECKSUMS])
+      except DamagedCheckpoint as e:
+        raise _Unreadable(str(e).split(": ", 1)[-1]) from e
     data = _decode_data_state(got[self.DATA]) if self.DATA in items else None
     return Restored(step, state, data, got[self.PROGRESS] if self.PROGRESS in items else None)
 

@@ -175,6 +175,11 @@ def base_config() -> ml_collections.ConfigDict:
   # same config runs anywhere); any other applies everywhere. Checked against the compiler
   # when the program is built (`xla_options`).
   t.xla_options = ""
+  # True: XLA's deterministic ops on GPU (sorted scatters instead of atomic adds,
+  # deterministic autotuning), so that a run repeats its losses bit for bit; TPU and CPU
+  # steps repeat anyway. k3_small's step fails at run time with it on JAX 0.11.2's GPU
+  # build (benchmarks/results/train_step.md).
+  t.deterministic = False
   t.steps = 100_000
   t.log_every = 10
   t.eval_every = 1_000

@@ -123,7 +123,7 @@ def build(cfg, mesh: Mesh) -> Program:
       graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau, microbatches=t.microbatches,
       loss_chunk=t.loss_chunk,
       cast_dtypes=compute_dtypes(abs_params) if t.cast_params_once else None)
-  options = compiler_options(t.xla_options, mesh)
+  options = compiler_options(t.xla_options, mesh, deterministic=t.deterministic)
   return Program(
       cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
       abstract_params=abs_params, state_shardings=state_sh, abstract_state=abstract_state,
@@ -141,15 +141,23 @@ def batch_shardings(cfg, mesh: Mesh) -> dict[str, NamedSharding]:
           for name in batch_shapes(cfg)}
 
 
-def compiler_options(spec: str, mesh: Mesh) -> dict[str, str | bool] | None:
-  """The options of config.train.xla_options that apply on `mesh`'s platform, checked by
-  compiling a scalar program on the mesh with them: ConfigError naming an option that
-  platform's XLA does not know (before the real compile, which can take an hour).
+# train.deterministic: the XLA options that make a platform's programs repeat bit for bit
+DETERMINISTIC = {"gpu": {"xla_gpu_deterministic_ops": "true"}}
+
+
+def compiler_options(spec: str, mesh: Mesh, *,
+                     deterministic: bool = False) -> dict[str, str | bool] | None:
+  """The options of config.train.xla_options that apply on `mesh`'s platform (with
+  `deterministic`, also that platform's `DETERMINISTIC` ones), checked by compiling a
+  scalar program on the mesh with them: ConfigError naming an option that platform's XLA
+  does not know (before the real compile, which can take an hour).
 
   On CPU and GPU, "true" / "false" (any case) become bools: XLA's own options there refuse
   those strings; TPU compiler flags take them as they are."""
   platform = mesh.devices.flat[0].platform
   options = xla_options(spec, platform)
+  if deterministic:
+    options = {**DETERMINISTIC.get(platform, {}), **options}
   if not options:
     return None
   if platform != "tpu":
@@ -169,7 +177,7 @@ RUN_ONLY_FIELDS = ("train.log_every", "train.eval_every", "train.eval_batches",
                    "train.eval_text", "train.eval_choices", "train.compilation_cache",
                    "train.checkpoint_every", "train.keep_checkpoints",
                    "train.keep_checkpoint_every", "train.max_bad_steps", "train.peak_tflops",
-                   "data")
+                   "train.skip_batches", "data")
 _BUILT: collections.OrderedDict = collections.OrderedDict()
 _KEEP_BUILT = 2
 

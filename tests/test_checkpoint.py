@@ -1,4 +1,5 @@
-"""Checkpointer: roundtrip, retention, finalized-only steps, and its error messages."""
+"""Checkpointer: roundtrip, retention, finalized-only steps, its error messages, and the
+checksums that keep damaged arrays from loading."""
 
 import json
 import os
@@ -10,6 +11,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from k3jax import checkpoint as k3ckpt
+from k3jax import checksums as k3checksums
 from k3jax.checkpoint import Checkpointer
 from k3jax.config import base_config
 from k3jax.model.layers import Dense
@@ -188,6 +191,144 @@ def test_compression_is_optional_and_either_reads_either(tmp_path):
       restored, _ = ckpt.restore(1, target)
     for k in state:
       np.testing.assert_array_equal(np.asarray(restored[k]), np.asarray(state[k]))
+
+# --- integrity: every array checked against its checksum recorded at save ---------------
+
+def _train_state(step):
+  """A trainer-like state whose every array depends on `step`: weights, Muon momentum
+  (random: it compresses to a data file of its own rather than inline), a counter."""
+  rng = np.random.default_rng(step)
+  return {"params": {"w": jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)},
+          "muon_momentum": jnp.asarray(rng.standard_normal((32, 32)), jnp.float32),
+          "count": jnp.int32(step)}
+
+
+def _three_steps(tmp_path, compress=False):
+  """Steps 1, 2, 3 of `_train_state` saved; (checkpoints dir, restore target)."""
+  with Checkpointer(tmp_path, keep=0, compress=compress) as ckpt:
+    for s in (1, 2, 3):
+      ckpt.save(s, _train_state(s), force=True)
+  return tmp_path / "checkpoints", jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _train_state(0))
+
+
+def _falls_back_to_step_2(tmp_path, target, caplog, array, file):
+  """restore_latest gives step 2's values, step 3 moved aside, a warning naming `array` and
+  its `file`; `restore(3)` raises DamagedCheckpoint naming them too."""
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(k3ckpt.DamagedCheckpoint, match=f"{array} \\({file}\\)"):
+      ckpt.restore(3, target)
+    got = ckpt.restore_latest(target)
+    assert got.step == 2 and ckpt.all_steps() == [1, 2]
+  for g, w in zip(jax.tree.leaves(got.state), jax.tree.leaves(_train_state(2))):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert (tmp_path / "checkpoints" / "3.corrupt").is_dir()
+  warning = caplog.text
+  assert "step 3 (" in warning and "checksums recorded at save" in warning, warning
+  assert f"{array} ({file})" in warning and "restored step 2" in warning, warning
+
+
+def test_zeroed_array_file_is_moved_aside_and_the_previous_step_restored(tmp_path, caplog):
+  """The issue's case: the data file holding the newest step's Muon momentum overwritten
+  with zeros at its size (train.checkpoint_compression=False, the trainer's default: the
+  file reads back as zeros without an error)."""
+  root, target = _three_steps(tmp_path)
+  file, _, _ = k3checksums.array_locations(root / "3")["muon_momentum"][0]
+  path = root / "3" / file
+  path.write_bytes(bytes(path.stat().st_size))
+  _falls_back_to_step_2(tmp_path, target, caplog, "muon_momentum", file)
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["raw", "zstd"])
+def test_eight_flipped_bytes_in_an_array_file_are_caught(tmp_path, caplog, compress):
+  """8 bytes of the momentum's data inverted in place: raw, the values change; zstd-
+  compressed, they decompress without an error into other values. Either way step 3 is
+  moved aside and step 2 restored."""
+  root, target = _three_steps(tmp_path, compress)
+  file, offset, length = k3checksums.array_locations(root / "3")["muon_momentum"][0]
+  path = root / "3" / file
+  data = bytearray(path.read_bytes())
+  for i in range(8):
+    data[offset + length // 3 + 97 * i] ^= 0xFF
+  path.write_bytes(bytes(data))
+  _falls_back_to_step_2(tmp_path, target, caplog, "muon_momentum", file)
+
+
+def test_checksums_are_of_the_global_array_whatever_the_sharding(tmp_path):
+  """The same values saved from one device, split over 8 along rows, over a 2 x 4 mesh along
+  rows and columns, and replicated: the same recorded checksums, equal to the on-device
+  computation (XLA, used off CPU) of each layout; another value, another checksum."""
+  rng = np.random.default_rng(0)
+  values = {"f32": rng.standard_normal((8, 12)).astype(np.float32),
+            "bf16": rng.standard_normal((16, 8)).astype(jnp.bfloat16),
+            "i8": rng.integers(-9, 9, (8, 4)).astype(np.int8),
+            "mask": rng.integers(0, 2, (8, 8)).astype(bool),
+            "vector": rng.standard_normal(16).astype(np.float32), "scalar": np.float32(3.5)}
+  devices = np.array(jax.devices())
+  line, grid = Mesh(devices, ("d",)), Mesh(devices.reshape(2, 4), ("a", "b"))
+  layouts = {   # sharding by rank (scalars on one device)
+      "one device": lambda ndim: jax.sharding.SingleDeviceSharding(devices[0]),
+      "rows over 8": lambda ndim: NamedSharding(line, P("d")),
+      "2 x 4, rows and columns": lambda ndim: NamedSharding(
+          grid, P("a", "b") if ndim == 2 else P(("a", "b"))),
+      "replicated": lambda ndim: NamedSharding(line, P())}
+  recorded = {}
+  for name, sharding in layouts.items():
+    state = {k: jax.device_put(v, sharding(v.ndim) if v.ndim else devices[0])
+             for k, v in values.items()}
+    with Checkpointer(tmp_path / name.replace(" ", "_")) as ckpt:
+      ckpt.save(1, state, force=True)
+      ckpt.wait()
+      recorded[name] = json.loads((ckpt.directory / "1" / "checksums" / "metadata")
+                                  .read_text())
+    arrays = tuple(v for k, v in state.items() if k != "scalar")   # on one device set
+    on_device = (k3checksums._device_checksums(arrays)
+                 + k3checksums._device_checksums((state["scalar"],)))
+    assert [int(s) for s in on_device] == [
+        recorded[name]["arrays"][k]["checksum"] for k in state], name
+  want = recorded["one device"]
+  assert want["format"] == k3checksums.CHECKSUM_FORMAT and sorted(want["arrays"]) == sorted(values)
+  assert (want["arrays"]["bf16"]["dtype"], want["arrays"]["bf16"]["shape"]) == ("bfloat16",
+                                                                               [16, 8])
+  for name, got in recorded.items():
+    assert got == want, name
+  changed = values["f32"].copy()
+  changed[3, 5] = np.nextafter(changed[3, 5], np.inf)
+  assert k3checksums.checksums({"f32": changed})["f32"] != want["arrays"]["f32"]
+
+
+def test_checksum_sees_zeros_flipped_bytes_and_swaps():
+  """The faults a checksum exists for change it: a zeroed row, two rows swapped, two elements
+  of a row swapped, one inverted byte (each byte of a row in turn)."""
+  x = np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32)
+
+  def checksum(a):
+    return k3checksums.checksums({"x": a})["x"]["checksum"]
+
+  base = checksum(x)
+  damaged = [x.copy() for _ in range(3)]
+  damaged[0][2] = 0
+  damaged[1][[1, 4]] = x[[4, 1]]
+  damaged[2][3, [0, 7]] = x[3, [7, 0]]
+  for i in range(x.shape[1] * 4):
+    flipped = x.copy()
+    flipped[5].view(np.uint8)[i] ^= 0xFF
+    damaged.append(flipped)
+  assert all(checksum(d) != base for d in damaged)
+
+
+def test_a_step_saved_without_checksums_restores_unverified(tmp_path):
+  """Steps written before checksums existed (no `checksums` item; `checksums=False` writes
+  them) restore as they are."""
+  with Checkpointer(tmp_path, checksums=False) as ckpt:
+    ckpt.save(4, _train_state(4), force=True)
+  assert not (tmp_path / "checkpoints" / "4" / "checksums").exists()
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _train_state(0))
+  with Checkpointer(tmp_path) as ckpt:
+    got = ckpt.restore_latest(target)
+  assert got.step == 4
+  for g, w in zip(jax.tree.leaves(got.state), jax.tree.leaves(_train_state(4))):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 # --- the data iterator under another process count ----------------------------------------
 

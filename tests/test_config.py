@@ -168,3 +168,16 @@ def test_xla_bool_options_reach_the_cpu_compiler():
   assert program.compiler_options("xla_allow_excess_precision=false xla_cpu_enable_fast_math"
                                   "=TRUE", mesh) == {"xla_allow_excess_precision": False,
                                                      "xla_cpu_enable_fast_math": True}
+
+
+def test_deterministic_adds_the_platforms_options_which_xla_knows():
+  """train.deterministic: XLA's deterministic ops on GPU (options XLA accepts: compiled
+  here with them), nothing to add where steps repeat anyway; an explicit xla_options
+  item wins."""
+  from k3jax import program  # noqa: PLC0415
+  mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("data",))
+  assert program.compiler_options("", mesh, deterministic=True) is None
+  gpu = {k: v == "true" for k, v in program.DETERMINISTIC["gpu"].items()}
+  jax.jit(lambda x: x + 1, compiler_options=gpu).lower(1.0).compile()
+  assert program.compiler_options("xla_allow_excess_precision=false", mesh,
+                                   deterministic=True) == {"xla_allow_excess_precision": False}
