@@ -44,18 +44,19 @@ _LONG = {**_PRETRAIN, "train.seq_len": 1_048_576, "train.global_batch": 4,
          "model.mla.form": "absorbed",
          "train.xla_options": "xla_tpu_enable_latency_hiding_scheduler=false"}
 VARIANTS = {
-    # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step. Fits: 87.2 GiB per
-    # chip (aot_k3_full.md row H''; the smallest v5p slice that does: half of it holds 54.5
-    # GiB of state per chip).
+    # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step. Fits, and is the
+    # smallest v5p slice that does: on half of it the state alone leaves too little room
+    # (benchmarks/results/aot_k3_full.md).
     "v5p-2048": dict(topology=_V5P_2048, fields=_PRETRAIN),
     # 512 Ironwood chips = 1,024 devices (one per die, 96 GiB each): the same layout, with
-    # XLA's latency-hiding scheduler off: it fits (89.2 of 96 GiB, aot_k3_full.md row M);
-    # with it on, the collectives it overlaps hold 112.5 GiB (row I). What the lost overlap
-    # costs in step time can only be measured on Ironwood.
+    # XLA's latency-hiding scheduler off: it fits then, while with it on the collectives it
+    # overlaps hold more than a device has (benchmarks/results/aot_k3_full.md). What the
+    # lost overlap costs in step time can only be measured on Ironwood.
     "tpu7x-1024": dict(topology=dict(name="tpu7x:8x8x8"), fields={
         **_PRETRAIN, "train.xla_options": "xla_tpu_enable_latency_hiding_scheduler=false"}),
     # Long context without context parallelism: one 131,072-token sequence per chip. Does
-    # not fit (536.7 GiB of temporaries); 4,096 is the longest sequence that does.
+    # not fit, by far (benchmarks/results/aot_k3_full.md); 4,096 is the longest sequence
+    # that does.
     "v5p-2048-128k": dict(topology=_V5P_2048, fields={**_PRETRAIN, "train.seq_len": 131_072}),
     # K3's 1,048,576-token context: four sequences a step (4.19M tokens, as in pretraining),
     # the rows over fsdp (4), each row's positions over expert x context (128 x 2 = 256

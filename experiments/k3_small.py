@@ -49,12 +49,12 @@ def get_config(arg: str | None = None):
   m.ffn.hidden_dim = 5_632
   m.moe.num_experts, m.moe.top_k, m.moe.expert_dim, m.moe.latent_dim = 64, 8, 768, 1_024
   m.moe.shared_dim = 768
-  # On the H200 the dropless dispatch on the Mosaic GPU grouped matmuls: the train step takes
-  # 2383 ms vs 2529 with capacity at factor 2.0 (results/train_step.md, session 6)
+  # On the H200 the dropless dispatch on the Mosaic GPU grouped matmuls: a faster train step
+  # than capacity at factor 2.0 (benchmarks/results/train_step.md)
   m.moe.dispatch = "auto"
   m.attn_res.block_layers = 4
-  # KDA: the base config's "auto" (the Triton kernel at chunk 16 on the H200): the train step
-  # takes 2583 ms vs 3736 with the pure-JAX chunk form at 32 (results/kda.md, session 7)
+  # KDA: the base config's "auto" (the Triton kernel at chunk 16 on the H200): a much faster
+  # train step than the pure-JAX chunk form at 32 (benchmarks/results/kda.md)
   # A 12-layer, 768-wide MoonViT-V2 (86M + a 16M projector), on in the "multimodal" variant
   # (a tower nothing reads would only take weight decay).
   v = m.vision
@@ -62,11 +62,12 @@ def get_config(arg: str | None = None):
   v.pos_grid, v.max_patches = 32, 4_096
 
   t = c.train
-  # 16 x 4096 tokens a step as 8 microbatches of 2 rows: fits one H200 (47 GiB of step
-  # temporaries) and keeps Muon's step at 4% of the train step (benchmarks/results/train_step.md)
+  # 16 x 4096 tokens a step as 8 microbatches of 2 rows: fits one H200 and keeps Muon's step
+  # a small share of the train step (benchmarks/results/train_step.md)
   t.seq_len, t.global_batch, t.microbatches = 4_096, 16, 8
   # The expert matrices cast to bf16 once a step, not in each of the 8 microbatches' forward
-  # and recompute: 2290 ms vs 2360 a step, for 1.1 GiB more peak (results/train_step.md, 7)
+  # and recompute: a faster step for a little more peak memory
+  # (benchmarks/results/train_step.md)
   t.cast_params_once = True
   t.steps = 10_000
   t.log_every, t.eval_every, t.checkpoint_every = 10, 500, 500

@@ -52,6 +52,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from k3jax import paths
 from k3jax.checksums import CHECKSUM_FORMAT, array_locations, checksums, path_str
 
 DataState = dict | bytes | None
@@ -95,7 +96,9 @@ def check_writable(directory: epath.PathLike) -> epath.Path:
 def check_free_space(directory: epath.PathLike, nbytes: int) -> None:
   """OSError naming `directory` when its filesystem has less than `nbytes` free (one more
   checkpoint must fit before orbax deletes an old one). Skipped where it cannot be asked
-  (object stores)."""
+  (object stores: a URL has no free-space figure)."""
+  if paths.is_url(directory):
+    return
   try:
     free = shutil.disk_usage(os.fspath(directory)).free
   except (OSError, TypeError):
@@ -196,7 +199,7 @@ def restore_params(workdir: str, abstract_state: tuple, *, config_json: str, mus
   must agree on `must_match`. The optimizer state is not read back. FileNotFoundError,
   naming `field` (the flag or config field that gave the directory), when `workdir` holds
   no checkpoint."""
-  if not epath.Path(workdir).exists():
+  if not paths.path(workdir).exists():
     raise FileNotFoundError(f"{field}: {workdir!r} does not exist")
   ckpt = Checkpointer(workdir, keep=1)
   try:
@@ -223,8 +226,8 @@ class Checkpointer:
     that are multiples of it are kept as well, for good (None or <= 0: none; it must be a
     multiple of `save_every`, or no step would be both saved and kept); `save_every`: `save`
     writes only steps that are multiples of it (unless forced or preempted); `compress`:
-    zstd on every array (orbax's default; ~2x the CPU time of a save and a restore for a
-    few % less disk on fp32 weights: benchmarks/results/checkpoint.md); `checksums`: `save`
+    zstd on every array (orbax's default; more CPU time on a save and a restore for a
+    little less disk on fp32 weights: benchmarks/results/checkpoint.md); `checksums`: `save`
     records each array's checksum (False: steps as saved before checksums existed; restores
     verify whatever a step holds either way). Raises OSError naming the directory if it
     cannot be written."""
@@ -236,8 +239,9 @@ class Checkpointer:
                        f"save_every={save_every}: only steps that are multiples of "
                        f"{np.lcm(keep_every, save_every)} would be kept")
     self.save_every, self.keep_every, self.record_checksums = save_every, keep_every, checksums
-    # Absolute: orbax's tensorstore writer refuses relative paths (`--workdir=runs/x`).
-    self.directory = check_writable(epath.Path(os.path.abspath(workdir)) / "checkpoints")
+    # Local paths absolute: orbax's tensorstore writer refuses relative ones
+    # (`--workdir=runs/x`); URLs (gs://...) as they are.
+    self.directory = check_writable(paths.path(workdir, absolute=True) / "checkpoints")
     # A step survives if any policy keeps it: the `keep` newest, and every keep_every-th.
     policies = [ocp.checkpoint_managers.LatestN(n=keep if keep and keep > 0 else None)]
     if keep_every is not None:

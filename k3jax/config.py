@@ -13,7 +13,7 @@ import sys
 
 import ml_collections
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16")
 EXPERT_SPLITS = ("batch", "seq")  # what mesh.expert splits outside the MoE (parallel.rules)
 MLA_FORMS = ("expanded", "absorbed")  # model.mla.form
@@ -99,8 +99,9 @@ def base_config() -> ml_collections.ConfigDict:
                              # or "auto": expert_parallel_dropless on TPU (ragged_dot lowers
                              # to grouped-matmul kernels) and on GPU where the Mosaic GPU
                              # grouped matmuls take the experts' shapes and mesh.expert is 1,
-                             # capacity elsewhere (CPU; XLA's ragged_dot is ~60x below the
-                             # matmul rate on H200); see moe_dispatch.resolve_dispatch
+                             # capacity elsewhere (CPU; XLA's ragged_dot runs far below the
+                             # matmul rate on H200: results/moe.md); see
+                             # moe_dispatch.resolve_dispatch
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
   # The dropless dispatches route a device's tokens this many at a time, each chunk's
   # expert activations rematerialized (0: all at once); bounds the MoE's memory at long
@@ -140,7 +141,6 @@ def base_config() -> ml_collections.ConfigDict:
   # video: this many consecutive frames are mean-pooled into one token (the release: 4, the
   # frames its fixed time table covers, init_pos_emb_time; a chunk's frames are averaged)
   v.temporal_pool = 4
-  v.pos_emb = "grid"     # learned position table "grid" [G, G, width] or "factorized" [G] + [G]
   v.pos_grid = 64        # G: the table's base grid, interpolated bilinearly to each image
   v.max_patches = 16_384  # N: patches in one packed buffer (and most of one image); the data
                          # pipeline packs one buffer per batch row
@@ -195,7 +195,8 @@ def base_config() -> ml_collections.ConfigDict:
   # A weights checkpoint (`python -m k3jax.convert import`) whose parameters a run with no
   # checkpoint of its own starts from (step 0, fresh optimizer state); "" : random init
   t.init_from = ""
-  t.checkpoint_compression = False  # zstd: ~2x the save/restore CPU time for ~7% less disk
+  t.checkpoint_compression = False  # zstd: more save/restore CPU time for a little less disk
+                                    # (benchmarks/results/checkpoint.md)
   t.max_bad_steps = 10   # this many non-finite (skipped) steps in a row stop the run
   # "S:K": a run resuming from step S first discards the data of its next K steps (the
   # batches of a divergence, which the stop message names); "": none
@@ -229,8 +230,8 @@ def base_config() -> ml_collections.ConfigDict:
   u.ns_eps = 1e-7        # Newton-Schulz input: X / (||X||_F + ns_eps)
   u.ns_dtype = "bfloat16"  # Newton-Schulz operands (accumulation is fp32)
   u.ns_backend = "auto"  # pallas_kernels.newton_schulz backend
-  # GPU kernels' [m, m] iteration for bf16: "fp16" operands (faster) or "bf16x3" (~40x closer
-  # to the float32 polynomial on ill-conditioned blocks; 30% slower Newton-Schulz on the H200)
+  # GPU kernels' [m, m] iteration for bf16: "fp16" operands (faster) or "bf16x3" (much closer
+  # to the float32 polynomial on ill-conditioned blocks, slower: results/newton_schulz.md)
   u.ns_gpu_iterate = "fp16"
   u.rms_scale = 0.2      # update = rms_scale * sqrt(max(fan_in, fan_out)) * NS(momentum)
   u.per_head = True      # per-head blocks for KDA q/k/v and MLA W_qb/W_kvb; False: whole matrix
@@ -285,7 +286,7 @@ RESTORE_FIELDS = (
     "model.attn_res.enabled", "model.attn_res.block_layers",
     "model.vision.enabled", "model.vision.num_layers", "model.vision.width",
     "model.vision.num_heads", "model.vision.head_dim", "model.vision.mlp_dim",
-    "model.vision.patch_size", "model.vision.merge", "model.vision.pos_emb",
+    "model.vision.patch_size", "model.vision.merge",
     "model.vision.pos_grid", "model.vision.projector_hidden", "model.vision.projector_norm",
     "optimizer.name", "optimizer.muon.per_head", "optimizer.muon.router",
 )
@@ -516,8 +517,6 @@ def _check_vision(m: ml_collections.ConfigDict) -> None:
   for field in ("num_layers", "width", "num_heads", "head_dim", "mlp_dim", "patch_size",
                 "merge", "temporal_pool", "pos_grid", "max_media"):
     _check(v[field] >= 1, f"model.vision.{field}", f"must be >= 1, got {v[field]}")
-  _check(v.pos_emb in ("grid", "factorized"), "model.vision.pos_emb",
-         f"must be 'grid' or 'factorized', got {v.pos_emb!r}")
   unit = v.merge * v.merge * v.temporal_pool
   _check(v.max_patches >= unit and v.max_patches % unit == 0, "model.vision.max_patches",
          f"{v.max_patches} must be a positive multiple of merge**2 * temporal_pool = {unit}")

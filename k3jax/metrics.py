@@ -7,6 +7,15 @@
                             pandas read.
   <workdir>/tensorboard/    TensorBoard event files (one new file per process start).
 
+The workdir may be a local path or an object-store URL (`gs://bucket/run`: `k3jax.paths`,
+through etils.epath). Locally metrics.jsonl is appended to line by line. An object store
+has no append: the writer keeps the file's records in memory and rewrites the whole object
+at each `flush()` and at `close()` (one upload; a kill loses the records since the last
+flush, never leaves half a line). metrics.jsonl stays small (a record per logged step), so
+the rewrite is cheap next to a checkpoint. TensorBoard stays local-only: tensorboardX writes
+to `gs://` only with extra packages, so a URL workdir gets metrics.jsonl alone (a warning
+says so).
+
 A run that resumes from step S passes `resume_step=S`: the lines a killed run wrote past S
 (and a line cut short by the kill) are dropped from metrics.jsonl, and TensorBoard is told
 to purge its events past S, so each step is logged once.
@@ -30,6 +39,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from absl import logging
+from etils import epath
+
+from k3jax import paths
 
 JSONL_NAME = "metrics.jsonl"
 TB_DIR = "tensorboard"
@@ -54,20 +67,30 @@ class MetricWriter:
   def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True,
                tensorboard: bool = True, resume_step: int | None = None):
     self.enabled = enabled
+    workdir = paths.path(workdir)
     self.workdir = os.fspath(workdir)
-    self.jsonl_path = os.path.join(self.workdir, JSONL_NAME)
-    self.tb_dir = os.path.join(self.workdir, TB_DIR)
-    self._jsonl = None
+    self.jsonl_path = os.fspath(workdir / JSONL_NAME)
+    self.tb_dir = os.fspath(workdir / TB_DIR)
+    self._remote = paths.is_url(workdir)
+    self._jsonl = None      # local: the file, opened for appending
+    self._lines = None      # remote: every line of the file, rewritten at each flush
     self._tb = None
     if not enabled:
       return
-    os.makedirs(self.workdir, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
     _drop_partial_line(self.jsonl_path)
     if resume_step is not None:
       _drop_steps_after(self.jsonl_path, resume_step)
-    # Line-buffered: each record is one write, so a killed process leaves whole lines.
-    self._jsonl = open(self.jsonl_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
-    if tensorboard:
+    if self._remote:
+      jsonl = epath.Path(self.jsonl_path)
+      self._lines = jsonl.read_text().splitlines(keepends=True) if jsonl.exists() else []
+    else:
+      # Line-buffered: each record is one write, so a killed process leaves whole lines.
+      self._jsonl = open(self.jsonl_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+    if tensorboard and self._remote:
+      logging.warning("metrics: TensorBoard events are written for local workdirs only; "
+                      "%s gets metrics.jsonl alone", self.workdir)
+    elif tensorboard:
       from tensorboardX import SummaryWriter  # noqa: PLC0415  (only the writing process)
       purge = None if resume_step is None else resume_step + 1
       self._tb = SummaryWriter(logdir=self.tb_dir, flush_secs=30, purge_step=purge)
@@ -82,23 +105,34 @@ class MetricWriter:
       raise ValueError("metric names 'step' and 'wall_time' are reserved")
     now = time.time()
     record = {"step": step, "wall_time": round(now, 3), **values}
-    self._jsonl.write(json.dumps(record) + "\n")
+    line = json.dumps(record) + "\n"
+    if self._remote:
+      self._lines.append(line)
+    else:
+      self._jsonl.write(line)
     if self._tb is not None:
       for name, v in values.items():
         self._tb.add_scalar(name, float(v), global_step=step, walltime=now)
 
   def flush(self) -> None:
+    """Makes every record written so far visible (remote: uploads the whole file)."""
     if not self.enabled:
       return
-    self._jsonl.flush()
+    if self._remote:
+      epath.Path(self.jsonl_path).write_text("".join(self._lines))
+    else:
+      self._jsonl.flush()
     if self._tb is not None:
       self._tb.flush()
 
   def close(self) -> None:
-    if not self.enabled or self._jsonl is None:
+    if not self.enabled:
       return
-    self._jsonl.close()
-    self._jsonl = None
+    if self._remote:
+      self.flush()
+    else:
+      self._jsonl.close()
+    self._jsonl = self._lines = None
     if self._tb is not None:
       self._tb.close()
       self._tb = None
@@ -113,34 +147,39 @@ class MetricWriter:
 
 def _drop_partial_line(path: str) -> None:
   """Cut a last line without its newline (a process killed mid-write) so appends stay valid."""
-  try:
-    with open(path, "rb+") as f:
-      data = f.read()
-      if data and not data.endswith(b"\n"):
-        f.truncate(data.rfind(b"\n") + 1)
-  except FileNotFoundError:
-    pass
+  f = epath.Path(path)
+  if not f.exists():
+    return
+  data = f.read_bytes()
+  if data and not data.endswith(b"\n"):
+    _replace(f, data[:data.rfind(b"\n") + 1])
 
 
 def _drop_steps_after(path: str, step: int) -> None:
-  """Rewrite `path` without its records past `step` (atomically: a new file renamed over)."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      lines = f.readlines()
-  except FileNotFoundError:
+  """Rewrite `path` without its records past `step`."""
+  f = epath.Path(path)
+  if not f.exists():
     return
+  lines = f.read_text().splitlines(keepends=True)
   kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
-  if len(kept) == len(lines):
+  if len(kept) < len(lines):
+    _replace(f, "".join(kept).encode("utf-8"))
+
+
+def _replace(f: epath.Path, data: bytes) -> None:
+  """`f` holding `data`, never half of it: locally a new file renamed over; an object-store
+  write is atomic by itself (the object appears when its upload completes)."""
+  if paths.is_url(f):
+    f.write_bytes(data)
     return
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
+  tmp = f.with_name(f.name + ".tmp")
+  tmp.write_bytes(data)
+  tmp.replace(f)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-  """Every record of a metrics.jsonl file, in order."""
-  with open(path, encoding="utf-8") as f:
+  """Every record of a metrics.jsonl file (local path or URL), in order."""
+  with paths.path(path).open("r") as f:
     return [json.loads(line) for line in f if line.strip()]
 
 

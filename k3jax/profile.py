@@ -12,10 +12,11 @@ profile with a fresh cache or --config.train.compilation_cache=False.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import jax
+
+from k3jax import paths
 
 
 def parse_steps(spec: str | None) -> tuple[int, int] | None:
@@ -65,7 +66,7 @@ class StepTrace:
       return
     self.active = False
     jax.profiler.stop_trace()
-    if jax.process_index() == 0:
-      os.makedirs(self.directory, exist_ok=True)
-      with open(os.path.join(self.directory, "train_step.hlo.txt"), "w") as f:
-        f.write(self.hlo_text())
+    if jax.process_index() == 0:   # through epath: the workdir may be a URL (gs://...)
+      directory = paths.path(self.directory)
+      directory.mkdir(parents=True, exist_ok=True)
+      (directory / "train_step.hlo.txt").write_text(self.hlo_text())

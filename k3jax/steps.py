@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from k3jax.media import PackedMedia
 from k3jax.model import K3Model, axes
-from k3jax.model.vision_pos import PackedMedia
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,

@@ -32,8 +32,8 @@ from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from k3jax import (checkpoint, cli, flops, memory, metrics, optim, parallel, profile, program,
-                   scoring)
+from k3jax import (checkpoint, cli, flops, memory, metrics, optim, parallel, paths, profile,
+                   program, scoring)
 from k3jax import config as k3config
 from k3jax import data as k3data
 from k3jax.model import K3Model
@@ -292,7 +292,7 @@ def _train(cfg, workdir, preemption, stop_after, profile_steps):
       f"checkpoint every {t.checkpoint_every}, workdir {workdir}")
 
   heartbeat = Heartbeat()
-  trace = profile.StepTrace(profile_steps, os.path.join(workdir, "profile"),
+  trace = profile.StepTrace(profile_steps, os.fspath(paths.path(workdir) / "profile"),
                             lambda: program_text(prog, train_step))
   window_t0, window_steps, run_t0, run_steps = time.time(), 0, time.time(), 0
   pending = None
@@ -391,7 +391,7 @@ def compilation_cache(workdir: str) -> str:
   current = jax.config.jax_compilation_cache_dir
   if current:
     return current
-  path = os.path.join(workdir, "compilation_cache")
+  path = os.fspath(paths.path(workdir) / "compilation_cache")   # JAX reads URLs via epath too
   jax.config.update("jax_compilation_cache_dir", path)
   return path
 

@@ -167,7 +167,7 @@ def test_an_image_prompt_decodes_as_the_forward_sees_it():
   """micro_config with a small tower: a prompt holding an image's 4 placeholder tokens,
   prefilled with the image, then stepped: the logits of the forward given the same image
   within 1e-4; generate refuses placeholders it would only step through."""
-  from k3jax.model.vision_pos import pack, patchify  # noqa: PLC0415
+  from k3jax.media import pack, patchify  # noqa: PLC0415
   c = micro_config()
   m = c.model
   m.moe.dispatch, m.kda.backend = "dropless", "naive"

@@ -6,6 +6,7 @@ SIGKILL again and again (once mid-save) ends bit for bit where an uninterrupted 
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,16 +78,25 @@ def _metrics(workdir):
 @TRAIN_PROGRAM
 def test_nan_batch_is_skipped_and_counted(tmp_path, monkeypatch):
   c = train_config()   # train.steps stays: it shapes the schedule, so the compiled program
-  c.train.checkpoint_every, c.train.keep_checkpoints, c.train.eval_every = 1, 0, 0
+  c.train.checkpoint_every, c.train.keep_checkpoints, c.train.eval_every = 2, 0, 0
   _poison(monkeypatch, {3})
+  params, rest = k3train.train(c, str(tmp_path / "stopped"), stop_after=3)
   k3train.train(c, str(tmp_path), stop_after=4)
   m = _metrics(tmp_path)
   assert [m[s]["skipped"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]   # a running total
   assert np.isnan(m[3]["loss"]) and np.isfinite(m[4]["loss"])
-  states = {s: fault_injection.load_state(tmp_path, s) for s in (2, 3, 4)}
-  for k, before in states[2].items():   # params, optimizer state, biases: untouched
-    assert before.tobytes() == states[3][k].tobytes(), k
-  changed = {k for k in states[3] if states[3][k].tobytes() != states[4][k].tobytes()}
+  assert k3ckpt.Checkpointer(tmp_path).all_steps() == [2, 4]
+  states = {s: fault_injection.load_state(tmp_path, s) for s in (2, 4)}
+  # the skipped step 3 changed nothing: the run stopped after it returns step 2's state
+  after_skip = {re.sub(r"\[(\d+)\]", r"['\1']", jax.tree_util.keystr(p)[3:]): np.asarray(x)
+                for p, x in jax.tree_util.tree_flatten_with_path((params, rest))[0]}
+  saved = {re.sub(r"\[(\d+)\]", r"['\1']", k[3:]): v for k, v in states[2].items()
+           if k.startswith(("[0]", "[1]"))}   # checkpoints store list indices as strings
+  assert after_skip, "no arrays"
+  assert sorted(after_skip) == sorted(saved)
+  for k, x in after_skip.items():   # params and Quantile-Balancing biases: untouched
+    assert x.tobytes() == saved[k].tobytes(), k
+  changed = {k for k in states[2] if states[2][k].tobytes() != states[4][k].tobytes()}
   assert any(k.startswith("[0]") for k in changed)   # the next good step updates again:
   assert any(k.startswith("[1]") for k in changed)   # params and Quantile-Balancing biases
   with open(tmp_path / "checkpoints" / "4" / "progress" / "metadata") as f:

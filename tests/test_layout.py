@@ -251,7 +251,7 @@ def test_imported_tower_sees_an_image_as_the_release_does():
   import release_reference  # noqa: PLC0415
 
   from k3jax.convert import hf_config  # noqa: PLC0415
-  from k3jax.model.vision_pos import pack, patchify  # noqa: PLC0415
+  from k3jax.media import pack, patchify  # noqa: PLC0415
   m = with_vision(small())
   m.dtype, m.moe.dispatch, m.mla.attention = "float32", "dropless", "dense"
   v = m.vision
@@ -283,7 +283,7 @@ def test_imported_tower_pools_a_video_chunk_as_the_release_does():
   features within 1e-4."""
   import release_reference  # noqa: PLC0415
 
-  from k3jax.model.vision_pos import pack, patchify_video  # noqa: PLC0415
+  from k3jax.media import pack, patchify_video  # noqa: PLC0415
   m = with_vision(small())
   m.dtype = "float32"
   v = m.vision

@@ -15,7 +15,7 @@ from k3jax import config as k3config
 from k3jax import data as k3data
 from k3jax import parallel, program, steps
 from k3jax.data import images
-from k3jax.model.vision_pos import num_tokens, pack
+from k3jax.media import num_tokens, pack
 
 PH, SEQ, BATCH = 258, 64, 4
 

@@ -9,11 +9,11 @@ from conftest import micro_config, random_model, set_field
 from flax import nnx
 
 from k3jax import config as k3config
+from k3jax.media import pack, patchify, patchify_video
 from k3jax.model import K3Model
 from k3jax.model.axes import axis_names
 from k3jax.model.vision import Projector, VisionTower, insert_features, param_counts
-from k3jax.model.vision_pos import (grid_embedding, line_embedding, pack, patchify,
-                                    patchify_video, rope_2d)
+from k3jax.model.vision_pos import grid_embedding, rope_2d
 
 P, M, TP, G = 2, 2, 2, 4   # patch px, merge, temporal pool, position grid of the test tower
 N, MEDIA = 96, 4           # packed buffer: patches, items
@@ -89,16 +89,10 @@ def full_grid(h, w):
 def test_position_interpolation_vs_numpy(h, w):
   rng = np.random.default_rng(1)
   table = rng.standard_normal((G, G, 5)).astype(np.float32)
-  rows, cols = rng.standard_normal((G, 5)).astype(np.float32), rng.standard_normal((G, 5))
   rows_cols = tuple(jnp.asarray(x) for x in full_grid(h, w))
   got = np.asarray(grid_embedding(jnp.asarray(table), *rows_cols)).reshape(h, w, 5)
   want = np.einsum("ia,abd,jb->ijd", tent(h, G), table, tent(w, G))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  r, c, hh, ww = rows_cols
-  fact = (line_embedding(jnp.asarray(rows), r, hh)
-          + line_embedding(jnp.asarray(cols, jnp.float32), c, ww))
-  want_fact = (tent(h, G) @ rows)[:, None] + (tent(w, G) @ cols)[None, :]
-  np.testing.assert_allclose(np.asarray(fact).reshape(h, w, 5), want_fact, rtol=1e-5, atol=1e-5)
   if (h, w) == (G, G):   # the native grid reads the table itself, exactly
     assert np.array_equal(got, table)
 
@@ -250,7 +244,6 @@ def test_model_builds_the_tower_and_embeds_images():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("model.vision.pos_emb", "sincos", "model.vision.pos_emb"),
     ("model.vision.max_patches", 1_002, "multiple of merge\\*\\*2 \\* temporal_pool = 16"),
     ("model.vision.width", 0, "model.vision.width"),
     ("model.vision.projector_hidden", -2, "model.vision.projector_hidden"),

@@ -164,7 +164,7 @@ def vision_fields(config: dict) -> dict[str, Any]:
   if v.get("projector_ln_eps", text.get("rms_norm_eps")) != text.get("rms_norm_eps"):
     fail("projector_ln_eps", "k3jax's projector norm uses the text model's rms_norm_eps")
   out.update({"vision.head_dim": inner // heads, "vision.merge": merge[0],
-              "vision.pos_emb": "grid", "vision.rope_2d": True,
+              "vision.rope_2d": True,
               "vision.projector_hidden": -1, "vision.projector_norm": "post",
               "vision.projector_act": "gelu"})
   return out

@@ -3,9 +3,9 @@
 The release's conventions (from the engines that load it): names under `vision_tower.` and
 `mm_projector.`, all bf16, torch [out, in]; the patch embedding a Conv2d [width, 3, P, P]
 (k3jax: a Dense over patches flattened (row, col, channel)); the position table [G, G,
-width] as k3jax's "grid" table; each block's q, k and v fused into `wqkv` [3 * H * D, width]
+width] as k3jax's table; each block's q, k and v fused into `wqkv` [3 * H * D, width]
 (q, then k, then v, heads head-major); the projector `proj.0` (Dense), GELU, `proj.2`,
-`post_norm`. Only the release's forms are mapped: a "factorized" position table or another
+`post_norm`. Only the release's forms are mapped: a tower without 2-D RoPE or another
 projector form is refused, naming the field.
 """
 
@@ -22,7 +22,7 @@ BLOCKS = TOWER + "encoder.blocks."
 
 def check_release_form(v) -> None:
   """ValueError naming the first `model.vision` field whose form the release lacks."""
-  wanted = {"pos_emb": "grid", "rope_2d": True, "projector_hidden": -1,
+  wanted = {"rope_2d": True, "projector_hidden": -1,
             "projector_norm": "post", "projector_act": "gelu"}
   for field, value in wanted.items():
     if v[field] != value:

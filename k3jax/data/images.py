@@ -22,12 +22,12 @@ placeholders get loss weight 0 in the packed row (`pipeline`): the loss is on th
                "text": ...}; relative paths are read from the manifest's folder. .npy holds
                uint8 or float pixels [H, W, 3] (video [T, H, W, 3]); .png / .jpg / other
                formats need Pillow (converted to RGB). Every `data.heldout_every`-th line is
-               held out for the validation split.
+               held out for the validation split. Manifests and the files they name may be
+               local or object-store URLs (`gs://...`), read through `k3jax.paths`.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import NamedTuple
@@ -35,7 +35,8 @@ from typing import NamedTuple
 import ml_collections
 import numpy as np
 
-from k3jax.model.vision_pos import num_tokens, patchify, patchify_video
+from k3jax import paths
+from k3jax.media import num_tokens, patchify, patchify_video
 
 IMAGE_SOURCES = ("none", "generated", "files")
 SHAPES = ("square", "circle", "triangle", "cross")
@@ -160,7 +161,8 @@ def load_pixels(path: str) -> np.ndarray:
   reads (uint8 RGB). ValueError naming the file when it cannot be decoded."""
   if path.endswith(".npy"):
     try:
-      return np.load(path, allow_pickle=False)
+      with paths.path(path).open("rb") as f:
+        return np.load(f, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
       raise ValueError(f"{path}: not a readable .npy array ({e})") from None
   try:
@@ -169,7 +171,7 @@ def load_pixels(path: str) -> np.ndarray:
     raise ValueError(f"{path}: reading {os.path.splitext(path)[1] or 'this'} images needs "
                      f"Pillow (pip install pillow); or store the pixels as .npy") from None
   try:
-    with Image.open(path) as im:
+    with paths.path(path).open("rb") as f, Image.open(f) as im:
       return np.asarray(im.convert("RGB"))
   except Exception as e:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
     raise ValueError(f"{path}: not a readable image ({type(e).__name__}: {e})") from None
@@ -181,11 +183,11 @@ def read_manifests(patterns, split: str, heldout_every: int) -> list[dict]:
   patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
   entries = []
   for pattern in patterns:
-    files = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    files = paths.glob(pattern)
     if not files:
       raise FileNotFoundError(f"config.data.images.paths: no file matches {pattern!r}")
     for manifest in files:
-      with open(manifest, encoding="utf-8") as f:
+      with paths.path(manifest).open("r") as f:
         for lineno, line in enumerate(f, 1):
           if not line.strip():
             continue
@@ -198,7 +200,9 @@ def read_manifests(patterns, split: str, heldout_every: int) -> list[dict]:
           if len(keys) != 1 or not isinstance(obj.get("text"), str):
             raise ValueError(f"{where}: need {{'image' or 'video': path, 'text': str}}, "
                              f"got {line.strip()[:80]}")
-          path = os.path.join(os.path.dirname(manifest), obj[keys[0]])
+          path = obj[keys[0]]
+          if not (paths.is_url(path) or os.path.isabs(path)):   # relative to the manifest
+            path = os.fspath(paths.path(manifest).parent / path)
           entries.append({"path": path, "video": keys[0] == "video", "text": obj["text"]})
   if heldout_every:
     keep = [(i % heldout_every == 0) == (split == "validation") for i in range(len(entries))]

@@ -42,7 +42,7 @@ the reading stage: worker processes when there are any) and "grid" [1, 3] ((t, h
 text pieces carry n = 0 and no grid row). First-fit packing fills every row within three
 budgets at once: seq_len tokens, model.vision.max_patches patches, model.vision.max_media
 items, and never cuts an image-text example. Each row then holds one PackedMedia of its
-own items, in row order (`vision_pos.pack`), so that its placeholders are its image
+own items, in row order (`k3jax.media.pack`), so that its placeholders are its image
 tokens in order; the batch gains, per row:
   media_patches      float32 [B, N, P*P*3]    N = max_patches, M = max_media, K = N / m**2
   media_segment_ids  int32   [B, N]
@@ -71,11 +71,12 @@ import ml_collections
 import numpy as np
 from absl import flags
 
+from k3jax import paths
 from k3jax.data import sources as sources_lib
 from k3jax.data import images as images_lib
 from k3jax.data.corpus import default_documents
 from k3jax.data.images import MediaSpec
-from k3jax.model import vision_pos
+from k3jax import media as k3media
 from k3jax.data.pieces import DocumentPieces, Subset, TokenDocuments
 from k3jax.data.shards import TokenShards
 from k3jax.data.tokenizer import Tokenizer, check_tokenizer_config, make_tokenizer, tokenizer_config
@@ -180,7 +181,7 @@ def _file_documents(spec: dict, index: int, split: str, every: int, tokenizer: T
   else:
     files = sources_lib.expand_paths(spec["paths"], f"{field}.paths")
   items = tuple((k, v) for k, v in sorted(spec.items()) if "paths" not in k)
-  docs = _read_files(tuple(files), tuple(os.path.getmtime(f) for f in files), items, tokenizer)
+  docs = _read_files(tuple(files), tuple(paths.mtime(f) for f in files), items, tokenizer)
   if use_heldout_files:
     return docs
   if split == "validation" and every == 0:
@@ -458,7 +459,7 @@ def _media_row(packed: dict[str, np.ndarray], media: MediaSpec) -> dict[str, np.
 
 
 def _pack(items, media: MediaSpec):
-  packed, tokens = vision_pos.pack(items, max_patches=media.max_patches,
+  packed, tokens = k3media.pack(items, max_patches=media.max_patches,
                                    max_media=media.max_media, merge=media.merge,
                                    temporal_pool=media.temporal_pool)
   if not items:   # a row of text only: pack cannot know the patch width

@@ -1,4 +1,4 @@
-"""Sources of documents: local files chosen by glob patterns, in the `data.sources` config.
+"""Sources of documents: files chosen by glob patterns, in the `data.sources` config.
 
 Each entry of `config.data.sources` (with `config.data.source = "files"`) is a dict:
 
@@ -16,15 +16,20 @@ when the pipeline starts; "arrayrecord" reads shards of token ids written by
 `python -m k3jax.data.prepare` (k3jax/data/shards.py), lazily, which is what large corpora
 want. A document is the text of one file, one separator-delimited part, one JSON line or
 one row. Empty documents inside a file are skipped; an empty file is an error.
+
+Text formats are globbed and read through `k3jax.paths` (etils.epath): patterns may be local
+(`~` expands, `**` recurses) or object-store URLs (`gs://bucket/data/*.jsonl`; no `**`).
+ArrayRecord shards are read by the array_record library, from local paths.
 """
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import gzip
 import json
-import os
 from collections.abc import Iterator, Sequence
+
+from k3jax import paths
 
 FORMATS = ("text", "jsonl", "parquet", "arrayrecord")
 TEXT_FORMATS = ("text", "jsonl", "parquet")
@@ -75,8 +80,7 @@ def expand_paths(patterns: Sequence[str], field: str) -> list[str]:
   pattern matches no file (`field` names the config field in the message)."""
   files, seen = [], set()
   for pattern in patterns:
-    matched = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                     if os.path.isfile(p))
+    matched = [p for p in paths.glob(pattern) if paths.is_file(p)]
     if not matched:
       raise FileNotFoundError(f"{field}: no file matches {pattern!r}")
     for p in matched:
@@ -103,9 +107,19 @@ def read_documents(path: str, spec: dict) -> Iterator[str]:
     raise ValueError(f"{path}: format {fmt!r} holds token ids, not text")
 
 
+@contextlib.contextmanager
+def _open_bytes(path: str):
+  """`path` (local or URL) opened for reading bytes, gunzipped when it ends in .gz."""
+  with paths.path(path).open("rb") as raw:
+    if path.endswith(".gz"):
+      with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+        yield f
+    else:
+      yield raw
+
+
 def _read_bytes(path: str) -> bytes:
-  opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rb") as f:
+  with _open_bytes(path) as f:
     return f.read()
 
 
@@ -128,9 +142,8 @@ def _text_documents(path: str, separator: str) -> Iterator[str]:
 
 
 def _jsonl_documents(path: str, field: str) -> Iterator[str]:
-  opener = gzip.open if path.endswith(".gz") else open
   empty, offset = True, 0
-  with opener(path, "rb") as f:
+  with _open_bytes(path) as f:
     for lineno, raw in enumerate(f, 1):
       start, offset = offset, offset + len(raw)
       if not raw.strip():
@@ -155,9 +168,14 @@ def _jsonl_documents(path: str, field: str) -> Iterator[str]:
 
 
 def _parquet_documents(path: str, column: str) -> Iterator[str]:
+  with paths.path(path).open("rb") as raw:   # a file object: local or URL alike
+    yield from _parquet_rows(raw, path, column)
+
+
+def _parquet_rows(raw, path: str, column: str) -> Iterator[str]:
   import pyarrow.parquet as pq  # noqa: PLC0415  (only needed for this format)
   try:
-    f = pq.ParquetFile(path)
+    f = pq.ParquetFile(raw)
   except Exception as e:  # pyarrow.ArrowInvalid and friends
     raise ValueError(f"{path}: not a Parquet file ({e})") from e
   names = f.schema_arrow.names

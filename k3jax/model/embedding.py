@@ -3,9 +3,9 @@
 `jnp.take` of a table sharded over its width (`embed` -> fsdp) by tokens sharded over the
 batch is left to XLA's partitioner, which gathers the whole table to every device and, in
 the backward, scatter-adds each device's tokens into a whole fp32 [V, d] gradient before
-reducing it (k3_full: 4.4 GiB per device each way). `lookup` spells the exchange out
-under `jax.shard_map` on the mesh of `axes.use_rules`, with a device's share of the table
-[V / vocab ways, d / embed ways] the only table it ever holds:
+reducing it (k3_full: fp32 [163840, 7168], 4.4 GiB per device each way). `lookup` spells
+the exchange out under `jax.shard_map` on the mesh of `axes.use_rules`, with a device's
+share of the table [V / vocab ways, d / embed ways] the only table it ever holds:
 
   1. all-gather the token ids over the mesh axes of `embed` (they split the batch rows or,
      under context parallelism, the positions too): the ids of every device that holds

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.media import PackedMedia
 from k3jax.model import attn_res, embedding, layers
 from k3jax.model.axes import constrain
 from k3jax.model.kda import KDA
@@ -34,13 +35,11 @@ from k3jax.model.latent_moe import LatentMoE, update_bias
 from k3jax.model.mla import MLA
 from k3jax.model.situ_glu import GLUMLP
 from k3jax.model.vision import VisionTower, insert_features
-from k3jax.model.vision_pos import PackedMedia
 
 REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
 

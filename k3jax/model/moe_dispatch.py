@@ -17,12 +17,13 @@ tests/test_aot.py compiles the layer for v5p), in its per-device form
 "expert_parallel_dropless" (under jit alone XLA runs the sorted rows of "dropless"
 unpartitioned: every data-parallel device computes every token's experts); the same on GPU
 where the Mosaic GPU grouped matmuls take the experts' shapes (`grouped_kernel_fits`:
-k3_small's train step 2383 ms against 2529 with capacity at factor 2.0, results/
-train_step.md) and every device holds all experts; "capacity" on CPU, where `ragged_dot`
-runs every expert densely, and on GPU where the kernel's tiles do not fit (XLA's
-`ragged_dot` there is ~60x below the matmul rate) or the experts are split over devices:
+k3_small's train step is faster than with capacity, benchmarks/results/train_step.md) and
+every device holds all experts; "capacity" on CPU, where `ragged_dot` runs every expert
+densely, and on GPU where the kernel's tiles do not fit (XLA's `ragged_dot` there runs far
+below the matmul rate: benchmarks/results/moe.md) or the experts are split over devices:
 XLA's GPU ragged all-to-all is unmeasured here and has open problems in JAX 0.11
-(openxla/xla#33386: ~2% of NVLink bandwidth on one host; #47283: crashes above 32 ranks).
+(openxla/xla#33386: a small fraction of NVLink bandwidth on one host; #47283: crashes above
+32 ranks).
 """
 
 from __future__ import annotations
@@ -239,7 +240,8 @@ def batched_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act,
   @jax.named_scope("experts")
   def run(buf: jax.Array) -> jax.Array:
     buf = buf.astype(dtype)
-    # (gate and up as one matmul on concatenated weights measured 8% slower on the H200)
+    # (gate and up as one matmul on concatenated weights was slower on the H200:
+    # benchmarks/results/moe.md)
     g = jnp.einsum("erck,ekh->erch", buf, w_g.astype(dtype))
     v = jnp.einsum("erck,ekh->erch", buf, w_u.astype(dtype))
     return jnp.einsum("erch,ehk->erck", act(g, v).astype(dtype), w_d.astype(dtype))

@@ -16,7 +16,7 @@ The released K3 fixes what K3_SPEC leaves open: the 2-D RoPE, the projector's fo
 as wide as its input, exact GELU, RMSNorm after; `vision.projector_*` give the other forms)
 and the tower norms' eps (`vision.norm_eps`: torch's RMSNorm default in bf16).
 
-Inputs are PackedMedia (`vision_pos`: several images and videos of any size packed into
+Inputs are PackedMedia (`k3jax.media`: several images and videos of any size packed into
 one fixed-shape buffer of N patches, NaViT-style; segment ids confine attention to an
 item). K = N // merge**2 output rows: the tokens of the items in order, then zeros.
 `insert_features` writes them over the placeholder tokens of a text embedding.
@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.media import PackedMedia
 from k3jax.model import axes, layers
 from k3jax.model.axes import constrain
 from k3jax.model.layers import Dense, RMSNorm
-from k3jax.model.vision_pos import (PackedMedia, grid_embedding, line_embedding, rope_2d,
-                                    sincos_embedding)
+from k3jax.model.vision_pos import grid_embedding, rope_2d, sincos_embedding
 from pallas_kernels import attention as attention_ops
 
 # The packed patch axis shards like a batch axis: patches are independent rows everywhere
@@ -136,17 +136,13 @@ class VisionTower(nnx.Module):
     eps = v.norm_eps
     self.width, self.merge, self.temporal_pool = v.width, v.merge, v.temporal_pool
     merged = v.merge * v.merge * v.width
-    self.pos_emb, self.dtype = v.pos_emb, dtype
+    self.dtype = dtype
     pixels = v.patch_size * v.patch_size * 3
     self.patch_embed = Dense(pixels, v.width, (None, "embed"), rngs=rngs, dtype=dtype,
                              param_dtype=pdt)
     init = layers.normal(0.02)
-    if v.pos_emb == "grid":
-      self.pos_table = layers.param(rngs, init, (v.pos_grid, v.pos_grid, v.width),
-                                    (None, None, "embed"), pdt)
-    else:
-      self.pos_rows = layers.param(rngs, init, (v.pos_grid, v.width), (None, "embed"), pdt)
-      self.pos_cols = layers.param(rngs, init, (v.pos_grid, v.width), (None, "embed"), pdt)
+    self.pos_table = layers.param(rngs, init, (v.pos_grid, v.pos_grid, v.width),
+                                  (None, None, "embed"), pdt)
 
     @nnx.split_rngs(splits=v.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -164,11 +160,7 @@ class VisionTower(nnx.Module):
     grid; nothing reads their outputs)."""
     grid = jnp.asarray(media.grid_thw)[jnp.maximum(media.segment_ids - 1, 0)]   # [N, 3]
     frame, row, col = (media.coords[:, i] for i in range(3))
-    if self.pos_emb == "grid":
-      pos = grid_embedding(self.pos_table[...], row, col, grid[:, 1], grid[:, 2])
-    else:
-      pos = (line_embedding(self.pos_rows[...], row, grid[:, 1])
-             + line_embedding(self.pos_cols[...], col, grid[:, 2]))
+    pos = grid_embedding(self.pos_table[...], row, col, grid[:, 1], grid[:, 2])
     video = (grid[:, 0] > 1)[:, None]
     return pos.astype(jnp.float32) + jnp.where(video, sincos_embedding(frame, self.width), 0.0)
 
@@ -221,7 +213,7 @@ def param_counts(cfg_model) -> dict[str, int]:
   v = cfg_model.vision
   inner = v.num_heads * v.head_dim
   block = 4 * v.width * inner + 2 * v.width * v.mlp_dim + 2 * v.width
-  pos = v.pos_grid * v.width * (v.pos_grid if v.pos_emb == "grid" else 2)
+  pos = v.pos_grid * v.pos_grid * v.width
   tower = v.num_layers * block + v.patch_size ** 2 * 3 * v.width + pos + v.width
   merged, h, d = v.merge * v.merge * v.width, projector_width(v), cfg_model.d_model
   norm = d if v.projector_norm == "post" else merged

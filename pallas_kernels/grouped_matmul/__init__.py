@@ -30,7 +30,7 @@ __all__ = ["BACKENDS", "grouped_matmul", "resolve_backend"]
 BACKENDS = ("reference", "kernel", "kernel_ws", "auto")
 _PRODUCTS = {"reference": reference, "kernel": kernel,
              "kernel_ws": types.SimpleNamespace(gmm=kernel_ws.gmm_ws, tgmm=kernel_ws.tgmm_ws)}
-# the GPU kernels, fastest first (results/moe.md, run 9): what "auto" tries in turn
+# the GPU kernels, fastest first (benchmarks/results/moe.md): what "auto" tries in turn
 _CHECKS = {"kernel_ws": kernel_ws.check_ws, "kernel": kernel.check}
 
 

@@ -4,8 +4,8 @@
         tile list computed in XLA (`tile_table`), so neither its compile nor its per-tile
         work grows with the number of groups (JAX's library `ragged_dot_mgpu` unrolls a
         search over every group into each tile: k3_small's train step did not finish
-        compiling in 285 s with it, 258 s with ours), and no tile runs for a row block
-        that holds no rows of its group;
+        compiling with it, and did with ours, benchmarks/results/moe.md), and no tile runs
+        for a row block that holds no rows of its group;
   tgmm  (the weight gradient, per group lhs^T rhs) JAX's library kernel
         `transposed_ragged_dot_mgpu`, called here, not copied.
 
@@ -39,10 +39,10 @@ class Blocks:
 
 
 # The fastest of benchmarks/grouped_matmul.py --sweep on the H200 at k3_small's experts
-# (M 65536, K 1024, N 768, 64 groups; benchmarks/results/moe.md runs 6 and 7) for each of
+# (M 65536, K 1024, N 768, 64 groups; benchmarks/results/moe.md) for each of
 # the three products (the forward, gmm on rhs^T for the lhs gradient, the weight gradient),
-# with the library's kernels and again with ours: the library's weight gradient 514 TFLOP/s
-# against 460 at its defaults (4 steps, 1).
+# with the library's kernels and again with ours; faster than the library's defaults
+# (4 steps, 1).
 BLOCKS = Blocks(max_concurrent_steps=6, grid_block_n=4)
 DTYPES = (jnp.bfloat16, jnp.float16)
 H100_SMS = 132  # the persistent grid where no GPU says otherwise (interpreter, AOT)

@@ -10,8 +10,8 @@ shared memory while two compute warpgroups run wgmma, each into its own fp32 acc
 load. `gmm_ws` can chain its tiles' pipelines (no pause between tiles). Both run in Mosaic
 GPU's interpreter on a CPU in the forms JAX 0.10's interpreter takes (no transposed views;
 tests), and lower for CUDA from a CPU host. On the H200 (JAX 0.11.2) they are bit-identical
-to `ragged_dot` and reach 87-92% of a batched einsum's rate per product at k3_small's
-experts (benchmarks/results/moe.md, run 9).
+to `ragged_dot` and come close to a batched einsum's rate per product at k3_small's experts
+(benchmarks/results/moe.md).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class WSBlocks:
   chain: bool = True
 
 
-WS_BLOCKS = WSBlocks()  # within 1% of the best of a 24-tile sweep at k3_small's experts, H200
+WS_BLOCKS = WSBlocks()  # as fast as the best tile swept at k3_small's experts, H200 (moe.md)
 
 
 def check_ws(lhs, rhs, blocks=WS_BLOCKS):

@@ -15,10 +15,9 @@ __all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", 
 
 # "kernel": the Pallas kernels compiled for the target platform (Triton on GPU, Mosaic on
 # TPU); "interpret": the same kernels in Pallas interpret mode (any device, slow);
-# "auto": "kernel" on TPU and GPU, "chunk" on CPU (benchmarks/results/kda.md: one k3_full
-# layer's gradient takes 1.82 GiB of temporaries per v5p chip vs 8.90 for "chunk"; on the
-# H200 k3_small's KDA layer runs forward+backward in 5.8 ms vs 19.2, its train step in
-# 2583 ms vs 3736).
+# "auto": "kernel" on TPU and GPU, "chunk" on CPU: the kernel takes far less memory than
+# "chunk" on TPU and is faster per layer and per train step on the H200
+# (benchmarks/results/kda.md).
 BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
 
 

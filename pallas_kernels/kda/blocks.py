@@ -27,36 +27,35 @@ class Config:
   # span's transition (`spans.py`; GPU and interpret mode, a power of two dividing the
   # chunks).
   spans: int = 1
-  # Rows of a span's [K + V, K] transition per program (`spans.transitions`). H200,
-  # (1, 32768, 16, 128) in 8 spans (results/kda.md, session 12): 0.49 ms at 128, 0.65 at 64,
-  # 0.72 at 32, 1.22 at 16
+  # Rows of a span's [K + V, K] transition per program (`spans.transitions`); 128 was the
+  # fastest of 16-128 on the H200 (benchmarks/results/kda.md)
   transition_block: int = 128
-  # V columns per program of the chain through the spans ([BV, K] x [K, K] fp32 products):
-  # 0.05 ms at 16, 0.14 at 64 over 8 spans at (1, 32768, 16, 128) (session 12)
+  # V columns per program of the chain through the spans ([BV, K] x [K, K] fp32 products);
+  # 16 was the fastest on the H200 (benchmarks/results/kda.md)
   chain_block: int = 16
-  prep_warps: int = 4  # measured on the H200: 4 warps twice as fast as 8
-  # GPU fp32 matmuls of prep ("tf32x3", "tf32" or "ieee"). H200 (8, 4096, 16, 128), chunk 16,
-  # fp32 gate: prep 0.80 ms at tf32, 1.24 at tf32x3; errors against the fp32 reference equal
-  # to two digits at chunks 16 and 32 (results/kda.md, session 9)
+  prep_warps: int = 4  # faster than 8 on the H200 (benchmarks/results/kda.md)
+  # GPU fp32 matmuls of prep ("tf32x3", "tf32" or "ieee"): single-pass TF32 is faster than
+  # tf32x3 on the H200 with the same errors against the fp32 reference
+  # (benchmarks/results/kda.md)
   prep_precision: str = "tf32"
   # Triton pipelining stages of the recurrences' chunk loop (the next chunk's loads overlap
-  # this one's products). H200, rec_bwd at (1, 32768, 16, 128): 3.99 ms at 1, 2.15 at 3
+  # this one's products); 3 was the fastest on the H200 (benchmarks/results/kda.md)
   rec_stages: int = 3
   rec_warps: int = 4  # the recurrences' warps per program (GPU)
   # rec_fwd when it saves the chunk states (the training forward; GPU): its own V block and
-  # warps, 0 for block_v and rec_warps. H200 (results/kda.md, session 11): V blocks of 32
-  # at 2 warps 2.90 ms against 3.17 at 64 / 4 at (2, 8192, 96, 128), 0.76 vs 0.88 at
-  # (8, 4096, 16, 128); rec_bwd and the stateless forward gain nothing from it.
+  # warps, 0 for block_v and rec_warps. On the H200 V blocks of 32 at 2 warps beat 64 at 4
+  # for the state-saving forward; rec_bwd and the stateless forward gain nothing from it
+  # (benchmarks/results/kda.md).
   states_block_v: int = 0
   states_warps: int = 0
-  # chunk_cots (GPU). H200, (8, 4096, 16, 128): 1.38 ms at 4 warps, 1.89 at 8, though at 4
-  # it spills 184 bytes a thread (kernel_resources.py)
+  # chunk_cots (GPU): 4 warps faster than 8 on the H200 though it spills registers at 4
+  # (kernel_resources.py; benchmarks/results/kda.md)
   cots_warps: int = 4
-  # chunk_bwd, H200 (8, 4096, 16, 128): 3.66 ms at 8 warps (227 registers, no spill), 3.71
-  # at 4 (session 10); with chunk_cots' work inside it, 6.1 at 8, 14.2 at 4, 30.5 at 16
+  # chunk_bwd: 8 warps (no register spill) is the fastest on the H200, also when it held
+  # chunk_cots' work (benchmarks/results/kda.md)
   bwd_warps: int = 8
-  # chunk_bwd's fp32 matmuls (prep recomputed, its vjp). H200 (8, 4096, 16, 128), 8 warps:
-  # 5.33 ms at tf32, 6.32 at tf32x3, 8.87 at ieee; gradients as accurate (session 9)
+  # chunk_bwd's fp32 matmuls (prep recomputed, its vjp): tf32 is the fastest on the H200,
+  # with gradients as accurate as tf32x3 and ieee (benchmarks/results/kda.md)
   bwd_precision: str = "tf32"
 
   @property
@@ -108,8 +107,8 @@ def call(cfg, kernel, **kw):
 def heads_major(platform):
   """The kernels' layout of per-token arrays: [B, H, Tp, D] on TPU (Mosaic tiles the last two
   block dims, so a block must be a head's rows), else the callers' [B, Tp, H, D], which
-  saves a transpose of every input and gradient (H200, (8, 4096, 16, 128): 0.47 of 1.81 ms
-  forward, 0.97 of 8.69 forward + backward, results/kda.md, session 10)."""
+  saves a transpose of every input and gradient, a measurable share of the GPU step
+  (benchmarks/results/kda.md)."""
   return platform == "tpu"
 
 

@@ -36,11 +36,10 @@ Layout: per-token arrays stay [B, T, H, D] on GPU and in interpret mode (a block
 head's rows, strided); on TPU the wrapper moves them to [B, H, T, D] (`heads_major`). T is
 padded to a multiple of the chunk and D to a power of two >= 16 (a copy only when needed).
 
-Speed (H200, benchmarks/results/kda.md, sessions 11-12): chunks of 16 (one diagonal tile)
-are fastest on the GPU; at (8, 4096, 16, 128) forward 1.32 ms (fla 1.54), forward +
-backward 7.18 ms (fla 7.33), of which chunk_bwd 3.6 ms (bound by its chain of small
-dependent tile products, not by bandwidth or FLOPs); at (1, 32768, 16, 128) in 8 spans
-2.13 / 8.57 ms (one span: 3.26 / 10.49).
+Speed on the H200 (benchmarks/results/kda.md): chunks of 16 (one diagonal tile) are fastest
+on the GPU, and the kernels match or beat fla's; chunk_bwd takes the largest share, bound by
+its chain of small dependent tile products rather than by bandwidth or FLOPs. Long sequences
+of few rows run faster in spans.
 """
 
 from __future__ import annotations
@@ -58,26 +57,23 @@ from pallas_kernels.kda.chunk import check_sub_chunk
 from pallas_kernels.platform import target_platform
 
 # block_v=None: the widest V block of 64, 32 or 16 that gives the recurrences this many
-# programs, else 16. H200, chunk 16 (results/kda.md, session 10), rec_fwd / rec_bwd in ms:
-# (8, 4096, 16, 128) 0.88 / 0.65 at 64 (256 programs), 1.17 / 1.10 at 32; (1, 32768, 16, 128)
-# 4.05 / 3.09 at 64, 3.07 / 2.05 at 32, 2.72 / 1.85 at 16.
+# programs, else 16: wide blocks are faster while there are enough programs to fill the GPU,
+# narrow ones when there are few rows and heads (benchmarks/results/kda.md).
 MIN_PROGRAMS = 256
 BLOCKS_V = (64, 32, 16)
 # rec_fwd saving states (GPU): V blocks of STATES_BLOCK_V at STATES_WARPS warps where they
-# give MIN_PROGRAMS programs (blocks.Config.states_block_v); at (1, 32768, 16, 128) 2 warps
-# were slower.
+# give MIN_PROGRAMS programs (blocks.Config.states_block_v); with fewer programs 2 warps
+# were slower (benchmarks/results/kda.md).
 STATES_BLOCK_V, STATES_WARPS = 32, 2
 # spans=None (GPU): where V blocks of 16 give at most MIN_PROGRAMS programs, the sequence is
 # cut into spans (`spans.py`), doubling them while blocks of SPAN_BLOCK_V stay within
-# SPAN_PROGRAMS programs and every span keeps MIN_SPAN_CHUNKS chunks. H200, chunk 16,
-# forward / forward+backward in ms (results/kda.md, session 12): (1, 32768, 16, 128) 3.26 /
-# 10.49 at 1 span, 2.34 / 9.16 at 4, 2.13 / 8.57 at 8, 2.20 / 8.69 at 16; (2, 16384, 16,
-# 128) 2.15 / 8.63 at 1, 2.04 / 8.38 at 4; (2, 4096, 16, 128) 0.57 / 2.25 at 1, 0.61 /
-# 2.29 at 4; (4, 8192, 16, 128) 1.57 / 7.73 at 1, 2.01 / 8.32 at 2.
+# SPAN_PROGRAMS programs and every span keeps MIN_SPAN_CHUNKS chunks: spans pay off for long
+# sequences of few rows and cost time on short ones or with many programs already
+# (benchmarks/results/kda.md).
 SPAN_BLOCK_V, SPAN_PROGRAMS, MIN_SPAN_CHUNKS = 64, 256, 256
-# The GPU kernels' chunk lengths (H200, results/kda.md, session 7): chunk_bwd holds a chunk's
-# prep and its vjp at once; at C = 32 it runs 5x slower than at 16 (register spills), at 64
-# Triton asks for 320 KiB of shared memory, over the H200's 227 KiB.
+# The GPU kernels' chunk lengths: chunk_bwd holds a chunk's prep and its vjp at once; at
+# C = 32 it spills registers and runs much slower than at 16, at 64 it needs more shared
+# memory than the H200 has (benchmarks/results/kda.md).
 GPU_CHUNK, GPU_MAX_CHUNK = 16, 32
 
 

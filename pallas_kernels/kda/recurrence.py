@@ -90,7 +90,8 @@ def _span_specs(cfg, Tp, N, K, V, BV):
   (per-token rows of d columns, the same rows of the program's V block, the span's decay
   rows, the span's chunk states [.., N / S, BV, K], a state per span [B, H, S, V, K]). With
   one span the grid and block indices are (b, h, V block), as the kernels had before spans:
-  the same Triton program (a folded span index cost 0.5% at (2, 8192, 96, 128))."""
+  the same Triton program (a folded span index measurably slowed it:
+  benchmarks/results/kda.md)."""
   S, nv = cfg.spans, V // BV
   at = (lambda j: (j // nv, j % nv)) if S > 1 else (lambda j: (0, j))  # (span, V block)
   tok = lambda d: blocks.tokens(cfg, Tp // S, d, lambda b, h, j: (b, h, at(j)[0], 0))

@@ -3,9 +3,10 @@ recurrences run in parallel (GPU, interpret mode), joined through each span's tr
 
 With few batch rows and heads, one program per (row, head, V block) leaves most of the GPU
 idle while it walks thousands of dependent chunk steps (H200, (1, 32768, 16, 128): 128
-programs, 2,048 steps of 1.2 us). The chunk step is affine in the state (transposed,
-st [V, K]): st' = st * dec + (u - w st^T)^T k_s, so a span maps the state entering it to
-the state leaving it as st_out = st_in P^T + R^T. Three passes replace the one:
+programs, 2,048 steps each; benchmarks/results/kda.md). The chunk step is affine in the
+state (transposed, st [V, K]): st' = st * dec + (u - w st^T)^T k_s, so a span maps the
+state entering it to the state leaving it as st_out = st_in P^T + R^T. Three passes
+replace the one:
   transitions  every span at once: its [K + V, K] transition (P^T; R^T), the chunk step
                run from st = I with u = 0 (P^T's rows) and from st = 0 (R^T's rows).
   chain        the spans in order, [BV, K] x [K, K] a step: the state entering each span.

@@ -84,8 +84,8 @@ class _Frame:
 
   def masked_sum(self, mask, x):
     """[C, C] mask, [C, d] x -> sum_j mask[t, j] x[j] in float32 at the kernel's precision
-    (on the H200 single-pass TF32 left the errors of an fp32 gate unchanged at chunks 16
-    and 32: results/kda.md, session 9)."""
+    (on the H200 single-pass TF32 left the errors of an fp32 gate unchanged:
+    benchmarks/results/kda.md)."""
     return dot(mask.astype(F32), x, "nn", self.precision)
 
   def score_parts(self, k):
@@ -185,8 +185,9 @@ def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm
   products' gradients multiply the float32 cotangent by the float32 operands (products at
   `precision`), not by the operands rounded to mm_dtype that the forward's products took:
   the gate's gradient is a difference of the two sides (d log f - d log h), which bf16
-  rounding left 2.5x further from the fp32 reference than dq
-  (test_kda_kernel.test_bf16_gate_gradient_is_as_accurate_as_the_others).
+  rounding left much further from the fp32 reference than dq
+  (test_kda_kernel.test_bf16_gate_gradient_is_as_accurate_as_the_others;
+  benchmarks/results/kda.md).
   """
   outs, sv = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
                       precision)

@@ -35,8 +35,8 @@ def uses_gram_kernel(shape, dtype="float32"):
   at 128 rows). There X X^T is small: the kernel reads X twice (the standard form ten
   times, and writes it five times) and its [m, m] iteration is cheap. For squarer or larger
   blocks the standard form's large matmuls already run near the matmul peak, while the Gram
-  form would add float32 [m, m] work (about 17 m^3-sized products; H200, bf16: 4x slower
-  than XLA at 64 x 1536 x 2048), so "auto" keeps plain XLA there."""
+  form would add float32 [m, m] work (about 17 m^3-sized products; much slower than XLA on
+  the H200: benchmarks/results/newton_schulz.md), so "auto" keeps plain XLA there."""
   m, n = sorted(shape[-2:])
   return (m <= min(GRAM_MAX_ROWS, GPU_MAX_ROWS) and n >= GRAM_MIN_ASPECT * m
           and tpu_block_bytes(shape, dtype) <= TPU_MAX_BLOCK_BYTES)
@@ -68,9 +68,9 @@ def newton_schulz(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, backend="auto",
         platforms' branches are traced, so none may raise.
       "interpret": the TPU kernel in Pallas interpret mode (for CPU tests).
     gpu_iterate: the GPU kernels' [m, m] iteration for bf16 x, a name of GPU_ITERATE:
-      "fp16" (fp16 operands: tf32's precision at twice its rate) or "bf16x3" (~40x closer
-      to the float32 polynomial on ill-conditioned blocks, 30% slower). TPU iterates in
-      float32; float32 x too.
+      "fp16" (fp16 operands: tf32's precision at twice its rate) or "bf16x3" (much closer
+      to the float32 polynomial on ill-conditioned blocks, but slower:
+      benchmarks/results/newton_schulz.md). TPU iterates in float32; float32 x too.
   Returns:
     [..., m, n] in x's dtype.
   """

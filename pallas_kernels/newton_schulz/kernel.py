@@ -14,8 +14,9 @@ The same three stages (Gram matrix, [m, m] polynomial, final product) in two lay
   one-split Gram kernel, or in XLA); an apply kernel, grid = (blocks, n / (4 tiles)), writes
   q @ X over the whole GPU. With few blocks this fills the SMs that one program per block
   would leave idle. float32 inputs iterate in XLA (`newton_schulz_gpu` says why).
-  Measured on the H200 (96 x 128 x 7168 bf16, fp16 iteration): whole 0.211 ms; split with
-  the iteration fused 0.234 ms, in its own kernel 0.252 ms. The GPU path takes m <= 128.
+  On the H200 "whole" is the fastest layout at K3's per-head blocks, then split with the
+  iteration fused, then in its own kernel (benchmarks/results/newton_schulz.md). The GPU
+  path takes m <= 128.
 
 Why Triton rather than Mosaic GPU: the work is two short streaming loops of small
 (m x 128) matmuls whose tiles Triton lays out, pipelines and feeds to the tensor cores from
@@ -60,10 +61,9 @@ WHOLE_MIN_BLOCKS = 64  # one program per block ("whole") from this many blocks
 # (float32 accumulation either way). fp16 keeps tf32's 10 mantissa bits at the bf16
 # tensor-core rate, twice tf32's, and its range suffices: the Gram matrix is normalized
 # (entries <= 1) and q's entries stay below the polynomial's largest gain, a^steps ~ 500.
-# H200, 96 x 128 x 7168 (benchmarks/results/newton_schulz.md, run I): fp16 0.211 ms, tf32
-# 0.258 ms with the same errors, bf16x3 0.273 ms; error against the float32 reference on
-# ill-conditioned blocks (cond 1e4, rank 4 + noise): fp16 0.17-0.30, about plain XLA's bf16
-# (0.14-0.75), bf16x3 0.004-0.006.
+# On the H200 fp16 is the fastest, with tf32's errors; bf16x3 is slower but far closer to
+# the float32 reference on ill-conditioned blocks, where fp16's error is about plain XLA's
+# bf16 (benchmarks/results/newton_schulz.md).
 GPU_ITERATE = {"fp16": jnp.float16,
                "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3}
 
@@ -243,9 +243,8 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   iterate: where the [m, m] iteration runs, i.e. the kernel layout:
     "whole": one kernel, one program per block: Gram matrix, iteration and q @ X, the TPU
       kernel's layout, X read twice by the same program (it stays in HBM). The bf16
-      default from WHOLE_MIN_BLOCKS blocks (H200, 96 x 128 x 7168: 0.211 ms with the fp16
-      iteration and 256-column tiles; "fused" 0.234, "kernel" 0.252 ms; with tf32 "whole"
-      0.258, "fused" 0.285, "kernel" 0.317 and "xla" 0.437 ms).
+      default from WHOLE_MIN_BLOCKS blocks, the fastest layout there on the H200 with
+      either iteration precision (benchmarks/results/newton_schulz.md).
     "fused": at the end of a Gram kernel with one program per block, then an apply kernel
       over the whole GPU.
     "kernel": a Triton kernel of its own, after a Gram kernel split over columns; the bf16
@@ -253,12 +252,12 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
       Gram pass.
     "xla": batched XLA matmuls between the Gram and apply kernels; the float32 default:
       Triton's IEEE float32 dots become unrolled FMA code, and a program of 17 [128, 128]
-      products did not finish compiling in 110 s on the H200.
+      products did not finish compiling on the H200 (benchmarks/results/newton_schulz.md).
   iterate_precision: the bf16 iteration's operands, a name of GPU_ITERATE (float32 x
     iterates at HIGHEST), or any jax precision, used as given; default "fp16" (float32
-    accumulation; H200, "whole": 0.211 ms and error 2.8e-3 against the float32 reference
-    on Gaussian blocks, vs 0.273 ms and 3.4e-4 with "bf16x3", 0.258 ms and 2.8e-3 with
-    tf32 (Precision.DEFAULT), 0.208 ms and 1.6e-2 with bf16 operands).
+    accumulation): on the H200 about as fast as bf16 operands and more accurate, faster than
+    tf32 (Precision.DEFAULT) at the same error, less accurate than "bf16x3" but faster
+    (benchmarks/results/newton_schulz.md).
 
   Rows are padded to a power of two >= 16 (Triton tiles), columns to a multiple of the tile
   (tile_n, default 64 for float32, 256 for bf16 "whole", 128 otherwise). splits: column

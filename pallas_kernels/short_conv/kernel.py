@@ -7,8 +7,8 @@ x's dtype.
 
 Forward: y = silu(p) (L2-normalized over D if asked), p = sum_j w[j] * x[t - j].
 Backward, two kernels (the input gradient at row t needs dp at rows t .. t + W - 1, which
-another program computes; recomputing those W - 1 rows' dp in one kernel instead was 30-40%
-slower on the H200, results/short_conv.md):
+another program computes; recomputing those W - 1 rows' dp in one kernel instead was
+slower on the H200, benchmarks/results/short_conv.md):
 - `_grad_p_kernel` recomputes p and writes dp (fp32) and each block's tap sums
   sum_t x[t - j] * dp[t] (fp32; the wrapper adds the blocks up);
 - `_grad_x_kernel`: dx[t] = sum_j w[j] * dp[t + j].
@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.short_conv.reference import EPS, F32, check_shapes
 
-# Rows per program. H200, (8, 4096, 16, 128) bf16, forward + backward (results/
-# short_conv.md): q/k 0.79 ms at 16, 0.82 at 32, 1.03 at 64; v 0.66, 0.77, 0.86.
+# Rows per program: 16 was the fastest of 16, 32 and 64 on the H200, forward + backward,
+# for q/k and v (benchmarks/results/short_conv.md).
 BLOCK_T = 16
 
 

@@ -25,7 +25,7 @@ def short_conv_reference(x: jax.Array, weight: jax.Array, segment_ids: jax.Array
 
   x: [B, T, H, D]; weight: [W, H, D] (tap j multiplies x[t - j]); segment_ids: [B, T] (a tap
   never reads a token of another document). Computed in fp32: the taps' gradients are then
-  fp32 sums over all B x T positions (in bf16 they were 1.2% off at 8k positions). Returns
+  fp32 sums over all B x T positions (bf16 sums drift: benchmarks/results/kda.md). Returns
   [B, T, H, D] in x's dtype: fp32 weights must not promote bf16 activations.
   """
   check_shapes(x, weight, segment_ids)
