@@ -443,7 +443,11 @@ def main(argv):
     profile_steps = profile.parse_steps(_PROFILE_STEPS.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  train(cli.CONFIG.value, _WORKDIR.value, profile_steps=profile_steps)
+  try:
+    train(cli.CONFIG.value, _WORKDIR.value, profile_steps=profile_steps)
+  except FloatingPointError as e:   # a divergence: the message says what to do, no traceback
+    print(f"stopped: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
