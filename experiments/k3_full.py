@@ -44,7 +44,7 @@ _LONG = {**_PRETRAIN, "train.seq_len": 1_048_576, "train.global_batch": 4,
          "model.mla.form": "absorbed",
          "train.xla_options": "xla_tpu_enable_latency_hiding_scheduler=false"}
 VARIANTS = {
-    # 1,024 v5p chips (one 95 GiB device each): 4.19M tokens per step. Fits, and is the
+    # 1,024 v5p chips, 1,024 x 4,096 tokens per step. Fits, and is the
     # smallest v5p slice that does: on half of it the state alone leaves too little room
     # (benchmarks/results/aot_k3_full.md).
     "v5p-2048": dict(topology=_V5P_2048, fields=_PRETRAIN),

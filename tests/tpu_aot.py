@@ -42,7 +42,7 @@ def tpu_devices(name=TOPOLOGY, num_slices=1):
 def tpu_mesh(axis_names, shape=None, name=TOPOLOGY):
   """A jax.sharding.Mesh over the topology's devices; shape defaults to all devices on
   one axis. Skips the calling test where libtpu is missing."""
-  import jax  # noqa: PLC0415
+  import jax
   devices = tpu_devices(name)
   shape = shape or (len(devices),) + (1,) * (len(axis_names) - 1)
   return jax.sharding.Mesh(np.asarray(devices).reshape(shape), axis_names)
