@@ -5,14 +5,13 @@ traced with the JAX profiler into `<workdir>/profile/`: the xplane files TensorB
 xprof open, a Perfetto copy, and the train step's HLO text (`train_step.hlo.txt`), whose op
 names `benchmarks/gpu_trace.py <workdir>/profile` maps the kernels to the model's named
 scopes with, giving the step's time per component. Step 1 includes the compile: trace a
-later one. A program loaded from the persistent compilation cache carries the op names of
-the code that compiled it first (JAX's cache key leaves names out): after renaming scopes,
-profile with a fresh cache or --config.train.compilation_cache=False.
+later one.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import jax
 
@@ -33,6 +32,23 @@ def parse_steps(spec: str | None) -> tuple[int, int] | None:
     raise ValueError(f"--profile_steps={spec!r}: expected N or N,M with 1 <= N <= M "
                      "(steps counted from 1)")
   return steps
+
+
+@contextlib.contextmanager
+def names_in_cache_key(on: bool) -> Iterator[None]:
+  """While `on`, the persistent compilation cache keys programs by their op names too.
+
+  JAX's key leaves them out, so a cached program carries the names of the code that
+  compiled it first; a profile of it would attribute kernels to scopes since renamed.
+  """
+  flag = "jax_compilation_cache_include_metadata_in_key"
+  before = getattr(jax.config, flag)
+  if on:
+    jax.config.update(flag, True)
+  try:
+    yield
+  finally:
+    jax.config.update(flag, before)
 
 
 class StepTrace:

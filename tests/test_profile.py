@@ -4,6 +4,7 @@ schedule of the program (benchmarks/gpu_trace.py); `--profile_steps` is parsed s
 
 import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -118,3 +119,26 @@ def test_profile_steps_parse(spec, want):
 def test_profile_steps_refuse_nonsense(spec):
   with pytest.raises(ValueError, match="--profile_steps"):
     profile.parse_steps(spec)
+
+
+def test_a_profiled_run_compiles_under_its_own_op_names():
+  """The persistent cache hands back a program compiled under other scope names (JAX's key
+  leaves names out); inside `names_in_cache_key(True)`, as a profiled run is, it does not."""
+  salt = float(time.time_ns() % 999_983)   # a program no earlier run has cached
+
+  def compiled_text(scope):
+    def scoped(x):
+      with jax.named_scope(scope):
+        return jnp.sin(x) * salt
+    return jax.jit(scoped).lower(jnp.ones(8)).compile().as_text()
+
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  try:
+    assert "first_name" in compiled_text("first_name")
+    assert "first_name" in compiled_text("renamed")   # stale names from the cache
+    with profile.names_in_cache_key(True):
+      assert "renamed" in compiled_text("renamed")
+    assert not jax.config.jax_compilation_cache_include_metadata_in_key
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
