@@ -4,9 +4,8 @@ import jax
 
 
 def target_platform(mesh=None, platform=None) -> str:
-  """"gpu", "tpu" or "cpu": platform if given ("cuda" read as "gpu"), else the platform of
-  the mesh's devices (a mesh over a compile-only TPU topology gives "tpu" on a CPU host),
-  else `jax.default_backend()`."""
+  """"gpu", "tpu" or "cpu": platform, else the mesh's devices' (so AOT for a TPU topology
+  gets "tpu" on a CPU host), else `jax.default_backend()`."""
   if platform is None:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   return "gpu" if platform == "cuda" else platform

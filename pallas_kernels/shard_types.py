@@ -1,5 +1,4 @@
-"""Mesh axes as the kernels' dispatchers take them (None, a name or a tuple of names), and
-cotangents of custom VJPs under `shard_map`, typed like their primals."""
+"""Mesh axes as the dispatchers take them, and custom-VJP cotangents typed for `shard_map`."""
 
 import math
 
@@ -19,14 +18,13 @@ def axis_size(mesh, *axes) -> int:
 def varying(x: jax.Array) -> frozenset:
   """The shard_map mesh axes x varies over (empty outside shard_map)."""
   aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older: `vma`
+  manual = getattr(aval, "manual_axis_type", None)
   return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
 
 
 def cotangent_like(ct: jax.Array, x: jax.Array) -> jax.Array:
-  """A custom VJP's cotangent ct given the type of its primal x under shard_map: summed over
-  the axes only ct varies over (x was used there as if broadcast), marked varying where x
-  is. JAX's own autodiff inserts the same psum / pcast."""
+  """ct typed like its primal x under shard_map: psum over the axes only ct varies over (x
+  was broadcast there), pcast to varying where only x varies, as JAX's autodiff does."""
   extra, missing = varying(ct) - varying(x), varying(x) - varying(ct)
   if extra:
     ct = jax.lax.psum(ct, tuple(sorted(extra)))

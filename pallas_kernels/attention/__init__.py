@@ -1,12 +1,6 @@
-"""Softmax attention with a document (segment-id) mask, causal or not: `attention`
-dispatches to a backend; all share one contract (see `attention`).
-
-Modules: `reference.py` (dense masked form: the reference, [B, H, T, T] fp32 scores),
-`flash.py` (JAX's Pallas library kernels: splash attention on TPU, Triton `mha` on GPU),
-`cudnn.py` (cuDNN's flash attention over packed documents, GPU), `max_logit.py` (the QK-Clip
-max logit: a tile loop, and a Triton kernel), `context.py` (causal attention with the
-queries split along T: context parallelism).
-"""
+"""Softmax attention with a document mask: `attention` dispatches to "dense" (`reference.py`)
+or "flash" (`flash.py`, `cudnn.py`); `max_logit.py` recomputes QK-Clip's max logit for the
+flash kernels, `context.py` splits the queries along T (context parallelism)."""
 
 from __future__ import annotations
 
@@ -31,10 +25,7 @@ BACKENDS = ("auto", "flash", "dense")
 
 def _sharded(kernel, q, k, v, ids, *, mesh, batch_axis, head_axis, seq_axis,
              with_logit=False):
-  """kernel(q, k, v, q_ids, kv_ids) per device under `jax.shard_map`: a Pallas call is not
-  partitioned by XLA. Batch rows and heads are independent; with seq_axis the queries are
-  split along T too and every device gets all keys and values of its rows (non-causal).
-  with_logit: the kernel returns (out, its heads' max logit over its rows)."""
+  """kernel(q, k, v, q_ids, kv_ids) per device: XLA does not partition a Pallas call."""
   if mesh is None or (batch_axis is None and head_axis is None and seq_axis is None):
     return kernel(q, k, v, ids, ids)
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
@@ -55,14 +46,11 @@ def _sharded(kernel, q, k, v, ids, *, mesh, batch_axis, head_axis, seq_axis,
 
 
 def flash_cuda(q, k, v, ids, *, scale, causal):
-  """The GPU flash kernel for q, k: [B, T, H, Dqk], v: [B, T, H, Dv], ids [B, T] from
-  `unique_padding_ids`, decided per batch when it runs: cuDNN's unpacked form if every row
-  is at most one document from its first token, its packed form if every row has at most
-  `run_slots` documents (`flash_cudnn`), else Triton (`flash_gpu`)."""
+  """The GPU kernel, chosen per batch at run time: cuDNN unpacked, cuDNN packed, or Triton."""
   triton = functools.partial(flash_gpu, ids=ids, scale=scale, causal=causal)
   if not cudnn_ready():
     return triton(q, k, v)
-  segments = jnp.maximum(ids, 0)        # padding back to id 0
+  segments = jnp.maximum(ids, 0)
   slots = run_slots(*q.shape)
   offsets, _, runs = segment_runs(segments, slots)
   single = jnp.all((runs == 0) | ((runs == 1) & (offsets[:, 0] == 0)))
@@ -74,40 +62,11 @@ def flash_cuda(q, k, v, ids, *, scale, causal):
 
 def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max_logit=False,
               mesh=None, batch_axis=None, head_axis=None, seq_axis=None):
-  """softmax(scale q k^T, mask) v with the mask of `attention_mask`: a token sees the keys
-  of its own segment (causal: at or before it); a padding token (segment 0) only itself.
-
-  Args:
-    q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk] (1: one key shared by all query heads);
-      v: [B, T, H or 1, Dv] (Dv may differ from Dqk; 1 with k's 1: multi-query attention,
-      which splash runs as such, other kernels on copies per head); segment_ids: [B, T]
-      int, 0 = padding, real ids > 0.
-    scale: the softmax scale; causal: add the causal mask.
-    backend:
-      "dense": `attention_reference` (fp32 [B, H, T, T] scores).
-      "flash": the flash kernel of the lowering platform (TPU: splash attention; GPU:
-        `flash_cuda`, cuDNN or Triton `mha`; others: splash in interpret mode, slow, for
-        tests). All rows match dense, padding rows included; T need not be a multiple of
-        any block.
-      "auto": "flash" on TPU and GPU, "dense" elsewhere (CPU: the interpreted kernels are
-        slow). The choice is made when the program is lowered
-        (`jax.lax.platform_dependent`), so AOT lowering for another platform picks that
-        platform's path.
-    return_max_logit: also return each head's max pre-softmax logit over real queries (for
-      QK-Clip), [H] fp32, no gradient; on the flash path one more q k^T pass
-      (`max_logit.py`: the Triton kernel on GPU, the tile loop elsewhere).
-    mesh, batch_axis, head_axis, seq_axis: where the arrays are sharded (mesh axis names or
-      tuples, or None): B over batch_axis, H over head_axis, and the query rows T over
-      seq_axis (c equal contiguous slices; keys and values are gathered along T). The
-      kernels then run per device under `shard_map`; dense ignores them (XLA partitions
-      it) except causal with seq_axis: then it runs per device too, [B, H, T/c, T] fp32
-      scores each (`context.context_parallel`; splash: `context.flash_tpu_window`). The
-      GPU kernel takes one id array for queries and keys and no causal offset, so it
-      gathers T along seq_axis: each device computes all rows of its heads, c times the
-      work of its own rows (causal: T^2 / 2 scores against at most (c - 1/2) T^2 / c^2).
-  Returns:
-    [B, T, H, Dv] in v's dtype, and the max logit [H] if return_max_logit.
-  """
+  """softmax(scale q k^T, `attention_mask`) v: q [B, T, H, Dqk], k [B, T, H or 1, Dqk],
+  v [B, T, H or 1, Dv], segment_ids [B, T] (0 = padding) -> [B, T, H, Dv] in v's dtype, and
+  with return_max_logit each head's max logit [H] fp32. backend: "dense", "flash" (the
+  lowering platform's kernel), "auto" (flash on TPU and GPU; chosen at lowering). seq_axis
+  splits the query rows (`context.py`); the GPU kernels, with no query offset, gather T."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
   context = functools.partial(context_parallel, return_max_logit=return_max_logit,
@@ -126,7 +85,7 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
 
   if backend == "dense":
     return dense(q, k, v)
-  def per_head(x, heads):  # [B, T, 1 or heads, D] -> [B, T, heads, D]
+  def per_head(x, heads):
     return jnp.broadcast_to(x, (*x.shape[:2], heads, x.shape[3]))
 
   if v.shape[2] > 1:   # splash's multi-query form needs k and v shared; else one per head
@@ -142,7 +101,7 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
       return out, max_logit(q, k, segment_ids, scale=scale, causal=causal)
     return run
 
-  def windowed(interpret):    # causal with seq_axis: splash per query slice
+  def windowed(interpret):
     def local(q, k, v, ids, q_offset):
       out = flash_tpu_window(q, k, v, ids, q_offset, scale=scale, interpret=interpret)
       if not return_max_logit:
@@ -152,7 +111,7 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
 
   tpu = functools.partial(flash_tpu, scale=scale, causal=causal)
 
-  def gpu(q, k, v, ids, _):  # per device: q's heads are the local ones
+  def gpu(q, k, v, ids, _):
     heads = q.shape[2]
     out = flash_cuda(q, per_head(k, heads), per_head(v, heads), ids, scale=scale,
                      causal=causal)

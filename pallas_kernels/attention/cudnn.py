@@ -1,12 +1,6 @@
-"""cuDNN's fused flash attention (GPU, Hopper or later; through JAX's cuDNN binding) over
-documents: a row of one document from its first token takes cuDNN's unpacked form (a
-length per row); otherwise each row's segments are cut into contiguous runs of one id and
-given to cuDNN as ragged sequences (its packed form). Causal or full within each.
-
-In the packed form cuDNN holds its fp32 dq accumulator per (row, run slot) at the full row
-length ([B * M, T, H, Dqk] for M run slots a row), so M is bounded by a byte budget
-(`run_slots`); the dispatcher sends rows with more runs to another kernel.
-"""
+"""cuDNN's fused flash attention over documents (Hopper or later): unpacked (a length per
+row) or packed (each row's runs of one id as ragged sequences), whose fp32 dq accumulator is
+[B * M, T, H, Dqk] for M run slots a row, so `run_slots` bounds M."""
 
 from __future__ import annotations
 
@@ -18,19 +12,17 @@ MAX_RUN_SLOTS = 64
 
 
 def run_slots(b: int, t: int, h: int, d: int) -> int:
-  """M, the runs a row may have on the cuDNN path: as many as RUN_SLOTS_BYTES holds, at
-  least 2 (one run slot would be cuDNN's unpacked form), at most MAX_RUN_SLOTS."""
+  """M within RUN_SLOTS_BYTES, in [2, MAX_RUN_SLOTS] (one slot is the unpacked form)."""
   return max(2, min(MAX_RUN_SLOTS, RUN_SLOTS_BYTES // (b * t * h * d * 4)))
 
 
 def segment_runs(segment_ids: jax.Array, slots: int):
-  """[B, T] ids (0 = padding) -> the runs of equal nonzero ids per row, as cuDNN's packed
-  layout takes them: offsets [B, slots + 1] (run starts, then -1), lengths [B, slots]
-  (-1 past the last run), and the number of runs [B] (more than `slots`: not all listed)."""
+  """[B, T] ids -> cuDNN's packed layout of the runs of nonzero ids: offsets [B, slots + 1],
+  lengths [B, slots] (-1 past the last run), and the runs per row [B]."""
   ids = segment_ids
   real = ids != 0
   changed = jnp.concatenate([jnp.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], 1)
-  first = real & changed                                         # a run starts here
+  first = real & changed
   last = real & jnp.concatenate([changed[:, 1:], jnp.ones_like(ids[:, :1], bool)], 1)
 
   def row(first, last):
@@ -45,21 +37,13 @@ def segment_runs(segment_ids: jax.Array, slots: int):
 
 def flash_cudnn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                 scale: float, causal: bool, slots: int) -> jax.Array:
-  """q, k: [B, T, H, Dqk]; v: [B, T, H, Dv]; segment_ids [B, T] (0 = padding), each
-  document one contiguous run. -> [B, T, H, Dv] in v's dtype; a padding token sees only
-  itself (its output is its own value), as in the dense reference.
-
-  slots = 1: each row holds at most one document, starting at position 0 (cuDNN's
-  unpacked form: a length per row). slots >= 2: at most `slots` runs a row (cuDNN's packed
-  form; its ragged offsets count elements of q's token stride, H * Dqk, for k and v alike,
-  so v is zero-padded to Dqk). Rows beyond these bounds give wrong results: the dispatcher
-  (`flash_cuda`) checks `segment_runs` first."""
+  """slots = 1: unpacked, a document a row from position 0; else <= slots runs a row (v padded
+  to Dqk: offsets use q's stride). Rows beyond these bounds are wrong: `flash_cuda` checks."""
   # JAX's public dot_product_attention takes neither Dv != Dqk nor packed rows
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
   dv, dtype = v.shape[-1], q.dtype
   mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-  # cuDNN leaves the gradient rows of tokens in no sequence (padding) unwritten: selecting
-  # zeros there makes their gradient exactly zero, whatever the buffers held
+  # cuDNN leaves padding rows' gradients unwritten: zeroed inputs make them exactly zero
   real = (segment_ids != 0)[:, :, None, None]
   q, k = jnp.where(real, q, 0), jnp.where(real, k.astype(dtype), 0)
   v_real = jnp.where(real, v.astype(dtype), 0)

@@ -1,17 +1,7 @@
-"""Grouped matmul, the experts of a dropless MoE: rows sorted by group, each group times its
-own matrix (`reference.gmm`), differentiable in both operands.
-
-`grouped_matmul(lhs, rhs, group_sizes, backend=)` dispatches to:
-  "reference"  plain JAX (`jax.lax.ragged_dot`; on TPU XLA's grouped-matmul kernels);
-  "kernel"     Pallas Mosaic GPU kernels (`kernel.py`: ours for the forward and the lhs
-               gradient, JAX's library one for the weight gradient; H100 / H200);
-  "kernel_ws"  the warp-specialized Mosaic GPU kernels (`kernel_ws.gmm_ws`, `kernel_ws.tgmm_ws`)
-               for all three products;
-  "auto"       on GPU the first of "kernel_ws", "kernel" whose tiles the operands fit, else
-               "reference"; "reference" elsewhere.
-Its VJP is two more grouped products of the same backend: dlhs = gmm(dout, rhs^T) and
-drhs = tgmm(lhs, dout) (per group lhs^T dout). Imports nothing from `k3jax/`.
-"""
+"""Grouped matmul for a dropless MoE's experts: rows sorted by group, each group times its
+own matrix; VJP dlhs = gmm(dout, rhs^T), drhs = tgmm(lhs, dout) on the same backend.
+Backends: "reference" (`jax.lax.ragged_dot`), "kernel" (`kernel.py`), "kernel_ws"
+(`kernel_ws.py`), "auto" (on GPU the first of those two that fits, else "reference")."""
 
 from __future__ import annotations
 
@@ -35,11 +25,7 @@ _CHECKS = {"kernel_ws": kernel_ws.check_ws, "kernel": kernel.check}
 
 
 def resolve_backend(backend: str, platform: str, lhs=None, rhs=None) -> str:
-  """The backend `backend` stands for on platform ("gpu", "tpu", "cpu"). "auto" on GPU is
-  the first of "kernel_ws", "kernel" whose tiles the operands (arrays or ShapeDtypeStructs,
-  lhs [M, K], rhs [G, K, N]; both or neither) fit, else "reference"; elsewhere
-  "reference". The others are returned unchanged, "kernel" and "kernel_ws" after their
-  check of the operands (ValueError naming what does not fit)."""
+  """`backend` on platform; lhs, rhs (or None) checked against the kernels' tiles."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown grouped-matmul backend {backend!r}; choose one of {BACKENDS}")
   if backend != "auto":
@@ -55,18 +41,14 @@ def resolve_backend(backend: str, platform: str, lhs=None, rhs=None) -> str:
       check(lhs, rhs)
       return candidate
     except ValueError:
-      pass  # shapes or dtypes its tiles do not divide (small models)
+      pass
   return "reference"
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    backend: str = "auto", platform: str | None = None) -> jax.Array:
-  """out[i] = lhs[i] @ rhs[g(i)] for rows sorted by group; zero for rows past the groups.
-
-  lhs [M, K]; rhs [G, K, N]; group_sizes [G] int (rows per group, in order, summing to at
-  most M). platform: what the program is compiled for (None: the default backend's).
-  Returns [M, N] in lhs.dtype, accumulated in fp32.
-  """
+  """out[i] = lhs[i] @ rhs[g(i)], zero past the groups: lhs [M, K], rhs [G, K, N],
+  group_sizes [G] -> [M, N] in lhs.dtype, fp32 accumulation."""
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
     raise ValueError(f"grouped_matmul takes lhs [M, K] and rhs [G, K, N], got {lhs.shape} "
                      f"and {rhs.shape}")

@@ -1,21 +1,7 @@
-"""Grouped matmuls on the H100 / H200 as Pallas Mosaic GPU kernels.
-
-  gmm   (the forward, and on rhs^T the lhs gradient) ours: a persistent kernel that walks a
-        tile list computed in XLA (`tile_table`), so neither its compile nor its per-tile
-        work grows with the number of groups (JAX's library `ragged_dot_mgpu` unrolls a
-        search over every group into each tile: k3_small's train step did not finish
-        compiling with it, and did with ours, benchmarks/results/moe.md), and no tile runs
-        for a row block that holds no rows of its group;
-  tgmm  (the weight gradient, per group lhs^T rhs) JAX's library kernel
-        `transposed_ragged_dot_mgpu`, called here, not copied.
-
-Both want bf16 / fp16 operands of one dtype and tile sizes that divide the matmul (`check`
-names what does not). `gmm` writes rows past the groups as zeros, so its result equals the
-reference's. The tile sizes (`BLOCKS`) are the fastest on the H200
-(`benchmarks/grouped_matmul.py --sweep`). `gmm` lowers from a CPU host and runs in Mosaic
-GPU's interpreter there (tests do both); `tgmm` reads the device's SM count when it is
-traced, so it lowers on a GPU host only.
-"""
+"""Grouped matmuls as Pallas Mosaic GPU kernels (H100 / H200): `gmm` (forward; on rhs^T the
+lhs gradient), ours, a persistent kernel over an XLA-made tile list, so compile and per-tile
+work do not grow with the groups; `tgmm` (weight gradient), JAX's `transposed_ragged_dot_mgpu`,
+which reads the SM count when traced (it lowers on a GPU host only)."""
 
 from __future__ import annotations
 
@@ -29,8 +15,7 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """Tile sizes and pipelining of one product (the library kernel's keywords; ours takes
-  the same)."""
+  """Tiles and pipelining of one product (the library kernel's keywords)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -38,21 +23,14 @@ class Blocks:
   grid_block_n: int = 1
 
 
-# The fastest of benchmarks/grouped_matmul.py --sweep on the H200 at k3_small's experts
-# (M 65536, K 1024, N 768, 64 groups; benchmarks/results/moe.md) for each of
-# the three products (the forward, gmm on rhs^T for the lhs gradient, the weight gradient),
-# with the library's kernels and again with ours; faster than the library's defaults
-# (4 steps, 1).
+# the H200's fastest for all three products at k3_small's experts (benchmarks/results/moe.md)
 BLOCKS = Blocks(max_concurrent_steps=6, grid_block_n=4)
 DTYPES = (jnp.bfloat16, jnp.float16)
 H100_SMS = 132  # the persistent grid where no GPU says otherwise (interpreter, AOT)
 
 
 def check(lhs, rhs):
-  """Raises ValueError naming what the kernels cannot take: lhs [M, K] and rhs [G, K, N] of
-  one 16-bit dtype, M a multiple of 8 (the TMA tile of rows); the forward's K by block_k,
-  the lhs gradient's (the product on rhs^T) N by its block_k, the weight gradient's K by
-  block_m and N by block_n."""
+  """ValueError naming what the kernels cannot take (dtype, tile multiples of M, K, N)."""
   m, k = lhs.shape
   _, _, n = rhs.shape
   if lhs.dtype != rhs.dtype or lhs.dtype not in DTYPES:
@@ -69,24 +47,17 @@ def check(lhs, rhs):
 
 
 def tile_table(group_sizes, rows: int, block_m: int):
-  """The forward's work list: every [block_m, :] row block once per group it holds rows of,
-  and the blocks of the rows past the groups once more, as group G (they are written zero).
-
-  group_sizes [G] int over `rows` sorted rows. Returns (table [4 * T] int32, count [1] int32):
-  for tile t < count, table[t], table[T + t], table[2T + t], table[3T + t] are its group, its
-  row block, the first of the group's rows within the block and their number. Empty groups
-  have no tile; T = cdiv(rows, block_m) + G bounds the count (a group boundary splits at
-  most one block). Entries past the count are never read.
-  """
+  """(table [4 T], count [1]): tile t < count, each row block once per group it holds rows of
+  (rows past the groups as group G, written zero), is (group, row block, first row in the
+  block, rows) at table[c T + t]; T = cdiv(rows, block_m) + G."""
   sizes = group_sizes.astype(jnp.int32)
-  sizes = jnp.append(sizes, jnp.maximum(rows - jnp.sum(sizes), 0))  # group G: the rest
+  sizes = jnp.append(sizes, jnp.maximum(rows - jnp.sum(sizes), 0))
   ends = jnp.cumsum(sizes)
   starts = ends - sizes
   n_tiles = jnp.where(sizes > 0, (ends - 1) // block_m - starts // block_m + 1, 0)
-  first = jnp.cumsum(n_tiles) - n_tiles  # [G + 1] each group's first tile
+  first = jnp.cumsum(n_tiles) - n_tiles
   t = jnp.arange(-(-rows // block_m) + sizes.shape[0] - 1, dtype=jnp.int32)
-  # the last group whose first tile is <= t: an empty group shares its `first` with the
-  # next group, which comes later and so wins
+  # an empty group shares `first` with the next one, which wins
   group = jnp.clip(jnp.searchsorted(first, t, side="right", method="compare_all") - 1, 0,
                    sizes.shape[0] - 1)
   block = starts[group] // block_m + t - first[group]
@@ -98,15 +69,8 @@ def tile_table(group_sizes, rows: int, block_m: int):
 
 def gmm(lhs, rhs, group_sizes, transpose_rhs=False, blocks=BLOCKS, interpret=False,
         num_sms=None):
-  """As `reference.gmm`: [M, K] x [G, K, N] ([G, N, K] if transpose_rhs) -> [M, N].
-
-  A persistent kernel (one CTA per SM) walks `tile_table`'s tiles x the column blocks: per
-  tile a TMA-fed wgmma pipeline over K into an fp32 [block_m, block_n] accumulator, then
-  TMA stores of the group's rows in the block (2^j rows each: a row count is data, a TMA
-  box is static). num_sms: the CTAs (None: the GPU's SM count, else the H100 / H200's
-  132). interpret: run in Mosaic GPU's interpreter (on a CPU; JAX 0.10's cannot take
-  transpose_rhs).
-  """
+  """As `reference.gmm`: per (tile, column block) a TMA-fed wgmma pipeline over K, the rows
+  stored in 2^j-row pieces (a TMA box is static). JAX 0.10 cannot interpret transpose_rhs."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   m, k = lhs.shape
@@ -150,7 +114,7 @@ def gmm(lhs, rhs, group_sizes, transpose_rhs=False, blocks=BLOCKS, interpret=Fal
         out_smem[...] = acc.astype(out_smem.dtype)
         plgpu.commit_smem()
         row, j = start, 1 << (min(bm, m).bit_length() - 1)
-        while j:  # the `size` rows from `start`: one store of 2^j rows per bit of size
+        while j:
           @pl.when(size & j != 0)
           def _():
             plgpu.copy_smem_to_gmem(
@@ -173,9 +137,7 @@ def tgmm(lhs, rhs, group_sizes, blocks=BLOCKS):
 
 
 def persistent_kernel(body, out_type, num_sms, warpgroups=1):
-  """A Mosaic GPU kernel of one CTA per SM (grid axis "sm"; num_sms None: the GPU's SM
-  count, else the H100 / H200's 132) in warpgroup semantics; warpgroups > 1: that many per
-  CTA (axis "wg")."""
+  """A Mosaic GPU kernel of one CTA per SM (axis "sm"), warpgroups per CTA on axis "wg"."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   if num_sms is None:
     device = jax.devices()[0]
@@ -188,7 +150,6 @@ def persistent_kernel(body, out_type, num_sms, warpgroups=1):
 
 
 def interpreted():
-  # JAX exports no name for it yet (0.10 - 0.11): Mosaic GPU kernels traced inside run in
-  # its interpreter.
+  # JAX 0.10 - 0.11 export no name for Mosaic GPU's interpreter mode
   from jax._src.pallas.mosaic_gpu.interpret import params  # noqa: PLC0415
   return params.force_gpu_interpret_mode(params.InterpretGPUParams())

@@ -1,18 +1,7 @@
-"""Warp-specialized grouped matmuls on the H100 / H200 (Pallas Mosaic GPU), the same three
-products as `kernel.py`:
-
-  gmm_ws   the forward (and on rhs^T the lhs gradient), over `kernel.tile_table`'s tiles;
-  tgmm_ws  the weight gradient, per group lhs^T rhs, over (group, K block, N block) tiles.
-
-In each CTA (one per SM) a memory warpgroup streams the K blocks of the CTA's tiles into
-shared memory while two compute warpgroups run wgmma, each into its own fp32 accumulator
-(half of a [block_m, 2 block_n] tile), and store one tile while the next one's first blocks
-load. `gmm_ws` can chain its tiles' pipelines (no pause between tiles). Both run in Mosaic
-GPU's interpreter on a CPU in the forms JAX 0.10's interpreter takes (no transposed views;
-tests), and lower for CUDA from a CPU host. On the H200 (JAX 0.11.2) they are bit-identical
-to `ragged_dot` and come close to a batched einsum's rate per product at k3_small's experts
-(benchmarks/results/moe.md).
-"""
+"""Warp-specialized grouped matmuls (Pallas Mosaic GPU): `gmm_ws` over `kernel.tile_table`,
+`tgmm_ws` over (group, K block, N block) tiles. Per CTA a memory warpgroup streams K blocks
+into shared memory while two compute warpgroups run wgmma into fp32 accumulators (halves of
+[block_m, 2 block_n]) and store a tile as the next one loads."""
 
 from __future__ import annotations
 
@@ -29,12 +18,8 @@ from pallas_kernels.grouped_matmul.kernel import (DTYPES, interpreted, persisten
 
 @dataclasses.dataclass(frozen=True)
 class WSBlocks:
-  """Tiles of `gmm_ws`: a CTA's tile is [block_m, 2 block_n], each of its two compute
-  warpgroups owning [block_m, block_n]; the K loop in steps of block_k through
-  max_concurrent_steps shared-memory slots; the epilogue stores epi_n columns at a time.
-  chain (`gmm_ws`): the memory warpgroup runs on from one tile's K loop into the next
-  tile's without waiting for the compute warpgroups (max_concurrent_steps must divide
-  K / block_k); else it waits at the end of every tile's K loop."""
+  """K in block_k steps through max_concurrent_steps slots, stores epi_n columns at a time;
+  chain: one K pipeline across tiles (max_concurrent_steps must divide K / block_k)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -44,15 +29,11 @@ class WSBlocks:
   chain: bool = True
 
 
-WS_BLOCKS = WSBlocks()  # as fast as the best tile swept at k3_small's experts, H200 (moe.md)
+WS_BLOCKS = WSBlocks()
 
 
 def check_ws(lhs, rhs, blocks=WS_BLOCKS):
-  """Raises ValueError naming what the warp-specialized kernels cannot take: lhs [M, K] and
-  rhs [G, K, N] of one 16-bit dtype; for the forward (K over the K loop, N over the tiles)
-  and the lhs gradient (the same with K and N swapped) each of K and N a multiple of
-  2 block_n and block_k (in a multiple of max_concurrent_steps K steps with blocks.chain);
-  for the weight gradient M a multiple of block_k and K of block_m."""
+  """ValueError naming what the kernels cannot take (dtype, tile multiples of M, K, N)."""
   m, k = lhs.shape
   n = rhs.shape[2]
   if lhs.dtype != rhs.dtype or lhs.dtype not in DTYPES:
@@ -71,12 +52,7 @@ def check_ws(lhs, rhs, blocks=WS_BLOCKS):
 
 def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpret=False,
            num_sms=None):
-  """As `gmm`, warp-specialized: per CTA a memory warpgroup streams the K steps of its
-  tiles one tile after the other (with blocks.chain without a pause between tiles: the
-  pipeline's START / STEADY / STOP states), while two compute warpgroups run wgmma, each
-  into its own fp32 [block_m, block_n] accumulator, and store a tile's rows while the next
-  tile's first K blocks already load.
-  """
+  """As `gmm`; blocks.chain: one pipeline across tiles (START / STEADY / STOP)."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   from jax._src.pallas.mosaic_gpu.pipeline import PipelinePipeline  # noqa: PLC0415
@@ -128,7 +104,7 @@ def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpr
             plgpu.wgmma_wait(0)
           return acc_ref
 
-        def store(e):  # the group's `size` rows from `start`: a store of 2^j rows per bit
+        def store(e):
           row, j = start, 1 << (min(bm, m).bit_length() - 1)
           while j:
             @pl.when(size & j != 0)
@@ -164,17 +140,8 @@ def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpr
 
 def tgmm_ws(lhs, rhs, group_sizes, blocks=WS_BLOCKS, interpret=False, num_sms=None,
             lhs_transposed=False):
-  """As `tgmm`, warp-specialized: [M, K], [M, N] -> [G, K, N], per group lhs^T rhs.
-
-  A CTA's tile is one group's [block_m, 2 block_n] of the result (block_m over K, 2 block_n
-  over N), reduced over the group's rows in blocks of block_k: a memory warpgroup streams
-  them; two compute warpgroups each own [block_m, block_n] and zero, in shared memory, their
-  half of rhs's rows outside the group (only in the group's first and last row blocks).
-  The next tile's first blocks load while a tile's result is stored. Rows past the groups
-  are read by no tile; an empty group's result is zero. lhs_transposed: lhs comes as
-  [K, M] (the wgmma reads it as it is, with no transposed view: JAX 0.10's Mosaic GPU
-  interpreter, which has none, can run that form).
-  """
+  """As `tgmm`: a CTA tile is one group's [block_m, 2 block_n], rhs rows outside the group
+  zeroed in shared memory. lhs_transposed: lhs [K, M] (JAX 0.10's interpreter runs it)."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   k, m = lhs.shape if lhs_transposed else lhs.shape[::-1]
@@ -185,7 +152,7 @@ def tgmm_ws(lhs, rhs, group_sizes, blocks=WS_BLOCKS, interpret=False, num_sms=No
                      f"block_n={2 * bn}, M={m} of block_k={br}, block_n of epi_n; {blocks}")
   num_groups = group_sizes.shape[0]
   ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  bounds = jnp.concatenate([ends - group_sizes.astype(jnp.int32), ends])  # [2G] starts, ends
+  bounds = jnp.concatenate([ends - group_sizes.astype(jnp.int32), ends])
   grid_k, grid_n = k // bm, n // (2 * bn)
 
   def pipeline(first, num_blocks, ki, ni, body, compute_context):
@@ -199,7 +166,7 @@ def tgmm_ws(lhs, rhs, group_sizes, blocks=WS_BLOCKS, interpret=False, num_sms=No
             plgpu.BlockSpec((br, 2 * bn), lambda r: (first + r, ni), memory_space=plgpu.SMEM)])
 
   def body(bounds_ref, lhs_ref, rhs_ref, out_ref):
-    ignore = lambda *_, **__: None  # the allocations depend on the specs' shapes alone
+    ignore = lambda *_, **__: None
     # (a grid of at least max_concurrent_steps: a shorter static one gets fewer slots)
     allocs = pipeline(0, blocks.max_concurrent_steps, 0, 0, ignore, ignore).get_allocations(
         lhs_ref, rhs_ref)
@@ -223,7 +190,7 @@ def tgmm_ws(lhs, rhs, group_sizes, blocks=WS_BLOCKS, interpret=False, num_sms=No
           half = rhs_smem.at[:, cols]
 
           @pl.when((r[0] == 0) | (r[0] == num_blocks - 1))
-          def _():  # the rows of the block outside [start, end) take no part
+          def _():
             row = (first + r[0]) * br + jax.lax.broadcasted_iota(jnp.int32, (br, bn), 0)
             vals = half[...]
             half[...] = jnp.where((row >= start) & (row < end), vals, jnp.zeros_like(vals))
@@ -250,9 +217,7 @@ def tgmm_ws(lhs, rhs, group_sizes, blocks=WS_BLOCKS, interpret=False, num_sms=No
 
 
 def _ws_compute_context(bm, bn, epi, out_smem, wg, store):
-  """The compute warpgroups' side of a warp-specialized tile: the K loop into an fp32
-  [bm, bn] accumulator, then epi columns at a time through out_smem[wg] (once its previous
-  stores have read it out) to store(e) for columns [e epi, (e + 1) epi)."""
+  """The K loop into an fp32 [bm, bn] accumulator, then store(e) of epi columns at a time."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
 

@@ -1,5 +1,4 @@
-"""Kimi Delta Attention ops: `kda` dispatches to a backend; all share one contract
-(arrays [B, T, H, ...], see `kda_naive`)."""
+"""Kimi Delta Attention ops: `kda` dispatches to a backend; all take `kda_naive`'s contract."""
 
 import functools
 
@@ -13,11 +12,8 @@ from pallas_kernels.shard_types import axis_size
 __all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", "kda_context",
            "kda_naive", "kda_pallas"]
 
-# "kernel": the Pallas kernels compiled for the target platform (Triton on GPU, Mosaic on
-# TPU); "interpret": the same kernels in Pallas interpret mode (any device, slow);
-# "auto": "kernel" on TPU and GPU, "chunk" on CPU: the kernel takes far less memory than
-# "chunk" on TPU and is faster per layer and per train step on the H200
-# (benchmarks/results/kda.md).
+# "kernel": Pallas (Triton on GPU, Mosaic on TPU); "interpret": the same kernels in interpret
+# mode; "auto": "kernel" on TPU and GPU, else "chunk".
 BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
 
 
@@ -29,8 +25,7 @@ def resolve_backend(backend: str, platform: str) -> str:
 
 
 def default_chunk_size(backend: str, platform: str) -> int:
-  """The chunk length a backend runs at when none is named: the kernel's
-  (`pallas.default_chunk`: 16 on GPU, 64 on TPU), else 64 (the chunk form)."""
+  """The chunk length when none is named: `pallas.default_chunk` for the kernel, else 64."""
   backend = resolve_backend(backend, platform)
   return default_chunk(platform) if backend == "kernel" else 64
 
@@ -38,21 +33,11 @@ def default_chunk_size(backend: str, platform: str) -> int:
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
         segment_ids=None, output_final_state=False, chunk_size=None, sub_chunk_size=16,
         mesh=None, batch_axis=None, head_axis=None, seq_axis=None, platform=None):
-  """KDA through the named backend (one of BACKENDS).
-
-  chunk_size and sub_chunk_size apply to "chunk" and the kernels; chunk_size None: the
-  backend's `default_chunk_size` on the platform, halved under seq_axis until it divides
-  each device's slice (the result does not depend on it beyond rounding). mesh,
-  batch_axis, head_axis: where the arrays are sharded (mesh axis names,
-  or None); the kernels then run per device under `shard_map` (a Pallas call is not
-  partitioned by XLA), the pure-JAX backends ignore them. seq_axis: the mesh axis that
-  splits T (context parallelism); every backend then runs per device on its slice, the
-  states chained across the axis (`context.py`). platform: what the program is
-  compiled for ("gpu", "tpu", "cpu"); None: the platform of the mesh's devices, else
-  `jax.default_backend()`. A mesh over a compile-only TPU topology (`k3jax.aot`) thus gets
-  the Mosaic kernels on a CPU host. Returns what the backend returns: o [B, T, H, V],
-  plus the final state [B, H, K, V] if output_final_state.
-  """
+  """KDA through `backend`. chunk_size None: `default_chunk_size`, halved under seq_axis
+  until it divides each device's slice. mesh, batch_axis, head_axis: the kernels run per
+  device under `shard_map` (XLA does not partition a Pallas call); seq_axis splits T for
+  every backend (`context.py`). platform: `target_platform`'s. Returns o [B, T, H, V], and
+  the final state [B, H, K, V] if output_final_state."""
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
   platform = target_platform(mesh, platform)
@@ -62,7 +47,7 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   if not chunk_size:
     chunk_size = default_chunk_size(backend, platform)
     while split and chunk_size > 16 and (q.shape[1] // axis_size(mesh, seq_axis)) % chunk_size:
-      chunk_size //= 2   # whole chunks in each device's slice
+      chunk_size //= 2
   backend = resolve_backend(backend, platform)
   interpret = backend == "interpret"
   kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, interpret=interpret,

@@ -1,5 +1,4 @@
-"""The chunk-parallel KDA kernels, one program per chunk (grid B, H, N): `prep` (the forward's
-intra-chunk work), `chunk_cots` and `chunk_bwd` (the backward's). Overview: `pallas.py`."""
+"""KDA's per-chunk kernels, grid (B, H, N): `prep`, `chunk_cots`, `chunk_bwd` (`pallas.py`)."""
 
 from __future__ import annotations
 
@@ -25,17 +24,13 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_
 
 
 def _prep_dtypes(cfg):
-  """Storage dtypes of (w, u, A_qk, q_s, k_s, dec): matmul operands in the operand dtype,
-  u and dec (added to / multiplying fp32 values) in fp32."""
+  """(w, u, A_qk, q_s, k_s, dec): matmul operands in mm, u and dec (fp32 arithmetic) fp32."""
   mm = cfg.mm
   return mm, F32, mm, mm, mm, F32
 
 
 def prep(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
-  """Per-token arrays in the kernels' layout (`heads_major`; shapes below as [B, H, Tp, D]):
-  q, k, g [B, H, Tp, K]; v [B, H, Tp, V]; beta [B, H, Tp, 1]. doc_c [B, Tp, 1] int32;
-  doc_r [B, N, 1, C] int32; sees, last [B, Tp, 1]. Returns w, q_s, k_s [B, H, Tp, K],
-  u [B, H, Tp, V], A_qk [B, H, Tp, C], dec [B, H, N, 1, K]."""
+  """`pallas.kernel_inputs` -> w, q_s, k_s (K columns), u (V), A_qk (C), dec [B, H, N, 1, K]."""
   B, H, Tp, K = blocks.dims(cfg, q)
   V = v.shape[-1]
   C = cfg.chunk
@@ -56,9 +51,9 @@ def prep(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
 def _chunk_cots_kernel(w_ref, u_ref, st_ref, dst_ref, do_ref, dvn_ref, dw_ref, da_ref,
                        dqs_ref, dks_ref, ddec_ref, *, cfg):
   mm, prec = cfg.mm, cfg.precision
-  st, dst = st_ref[...], dst_ref[...]  # [V, K]: entering / (cotangent) leaving the chunk
+  st, dst = st_ref[...], dst_ref[...]
   do, dvn = do_ref[...], dvn_ref[...]
-  v_new = u_ref[...] - tile.dot(w_ref[...], st, "nt", prec, mm)  # [C, V]
+  v_new = u_ref[...] - tile.dot(w_ref[...], st, "nt", prec, mm)
   dw_ref[...] = -tile.dot(dvn, st, "nn", prec, mm)
   da_ref[...] = tile.dot(do, v_new, "nt", prec, mm)
   dqs_ref[...] = tile.dot(do, st, "nn", prec, mm)
@@ -67,12 +62,8 @@ def _chunk_cots_kernel(w_ref, u_ref, st_ref, dst_ref, do_ref, dvn_ref, dw_ref, d
 
 
 def chunk_cots(cfg, w, u, states, dstates, do, dvn):
-  """The cotangents of prep's outputs w, A_qk, q_s, k_s and dec (that of u is dvn), one
-  program per chunk: from those of o (do [B, H, Tp, V]), of v_new (dvn) and of the state
-  leaving each chunk (dstates [B, H, N, V, K]), with the state entering it (states) and
-  v_new = u - w S recomputed. Returns dw, dq_s, dk_s [B, H, Tp, K], dA_qk [B, H, Tp, C] and
-  ddec [B, H, N, 1, K], fp32. The products with the [V, K] states, apart from `chunk_bwd`:
-  one kernel holding both ran out of registers (H200: 255 per thread, spilling)."""
+  """fp32 dw, dA_qk, dq_s, dk_s, ddec from do, dvn and the states around each chunk. Apart
+  from `chunk_bwd`: one kernel holding the [V, K] states too runs out of registers."""
   B, H, Tp, K = blocks.dims(cfg, w)
   C, N, V = cfg.chunk, states.shape[2], u.shape[-1]
   tok, _, _, per_chunk = blocks.chunk_specs(cfg, K)
@@ -102,10 +93,7 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, 
 
 
 def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec):
-  """The cotangents of q, k, v, g, beta (their shapes and dtypes; fp32 inside) from those of
-  prep's outputs (`chunk_cots`; du = the cotangent of v_new), one program per chunk: the
-  chunk's prep recomputed in registers and its vjp derived by hand
-  (`tile.chunk_prep_vjp`)."""
+  """dq, dk, dv, dg, dbeta from prep's output cotangents (du: v_new's), `tile.chunk_prep_vjp`."""
   C, K, V = cfg.chunk, q.shape[-1], v.shape[-1]
   tok, col, row, per_chunk = blocks.chunk_specs(cfg, K)
   B, H, Tp, _ = blocks.dims(cfg, q)

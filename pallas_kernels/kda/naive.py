@@ -1,7 +1,5 @@
-"""Reference Kimi Delta Attention: a literal fp32 recurrence over time (K3_SPEC 2.1).
-
-Written to be obviously right, not fast: every other KDA backend is tested against it.
-"""
+"""Reference Kimi Delta Attention: the literal fp32 recurrence every backend is tested against
+(K3_SPEC 2.1)."""
 
 from __future__ import annotations
 
@@ -13,27 +11,12 @@ _HI = jax.lax.Precision.HIGHEST
 
 def kda_naive(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
               output_final_state=False):
-  """Gated delta rule with per-channel decay, one token at a time.
-
-  For each batch row and head, with state S [K, V] (fp32):
-      S <- diag(exp(g_t)) S
-      S <- S + beta_t k_t (v_t - S^T k_t)^T
-      o_t = S^T (scale q_t)
-
-  Args:
-    q, k: [B, T, H, K]. (L2 normalization, if any, is the caller's job.)
-    v: [B, T, H, V].
-    g: [B, T, H, K] log-decay, g <= 0 (already gated by the caller).
-    beta: [B, T, H].
-    scale: multiplies q; defaults to K ** -0.5.
-    initial_state: [B, H, K, V] or None (zeros). Applies to the first document only.
-    segment_ids: [B, T] int or None. Each contiguous run of equal ids is one document;
-      the state resets to zero at the first token of every document after the first.
-    output_final_state: also return the state after the last token.
-
-  Returns:
-    o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
-  """
+  """Gated delta rule, per-channel decay; per (b, h) a state S [K, V] fp32, per token:
+      S <- diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = S^T (scale q_t)
+  q, k [B, T, H, K] (any L2 norm is the caller's); v [B, T, H, V]; g [B, T, H, K] <= 0;
+  beta [B, T, H]; scale default K ** -0.5; initial_state [B, H, K, V] (first document only);
+  segment_ids [B, T]: the state resets where the id changes. Returns o [B, T, H, V] in q's
+  dtype, and the final state [B, H, K, V] fp32 if output_final_state."""
   B, T, H, K = q.shape
   if scale is None:
     scale = K ** -0.5
@@ -43,11 +26,11 @@ def kda_naive(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
   if segment_ids is None:
     reset = jnp.zeros((B, T), bool)
   else:
-    reset = jnp.concatenate(  # True where a new document starts (never at t = 0)
+    reset = jnp.concatenate(
         [jnp.zeros((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
 
-  def step(S, xs):  # S: [B, H, K, V]
-    q_t, k_t, v_t, g_t, b_t, reset_t = xs  # [B, H, K] x2, [B, H, V], [B, H, K], [B, H], [B]
+  def step(S, xs):
+    q_t, k_t, v_t, g_t, b_t, reset_t = xs
     S = jnp.where(reset_t[:, None, None, None], 0.0, S)
     S = S * jnp.exp(g_t)[..., None]
     v_err = v_t - jnp.einsum('bhkv,bhk->bhv', S, k_t, precision=_HI)
@@ -59,5 +42,5 @@ def kda_naive(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
   xs = (time_major(q), time_major(k), time_major(v), time_major(g), time_major(beta),
         jnp.moveaxis(reset, 1, 0))
   state, o = jax.lax.scan(step, state, xs)
-  o = jnp.moveaxis(o, 0, 1).astype(q.dtype)  # [B, T, H, V]
+  o = jnp.moveaxis(o, 0, 1).astype(q.dtype)
   return (o, state) if output_final_state else o

@@ -1,46 +1,8 @@
-"""Chunked Kimi Delta Attention as Pallas kernels, forward and backward (K3_SPEC 2.1).
-
-Five kernels (`chunk_kernels.py`: prep, chunk_cots, chunk_bwd; `recurrence.py`: rec_fwd,
-rec_bwd; their settings and blocks: `blocks.py`), one `jax.custom_vjp` (here):
-  prep       grid (B, H, N), one chunk per program: decays, scores and the UT transform
-             (`tile.chunk_prep`), written out as w, u, A_qk, q_s, k_s and the chunk decay.
-  rec_fwd    the inter-chunk recurrence, fp32 state (transposed, [BV, K]) per (b, h, V
-             block): v_new = u - w S, o = q_s S + A_qk v_new, S <- dec S + k_s^T v_new.
-             Saves the state entering each chunk (operand dtype) for the backward.
-  rec_bwd    the sequential part of the backward, chunks in reverse: the state's cotangent
-             dS carried back (dS <- dec dS + q_s^T do - w^T dv_new), the cotangents of v_new
-             and of the state leaving each chunk written out. Four products per chunk.
-  chunk_cots grid (B, H, N), one chunk per program: the products with the states around
-             the chunk (v_new recomputed from the saved state), giving the cotangents of
-             prep's outputs w, A_qk, q_s, k_s and the decay.
-  chunk_bwd  grid (B, H, N), one chunk per program: prep recomputed in registers and its
-             vjp derived by hand (`tile.chunk_prep_vjp`): dq, dk, dv, dg, dbeta.
-The forward's prep outputs (w, u, A_qk, q_s, k_s, decay) and chunk states are the residuals
-(`save_states=False`: recomputed in the backward instead). Columns of V are independent in
-the delta rule, so V blocks parallelize the recurrences at no extra work. Long sequences of
-few rows and heads also cut the sequence into spans whose recurrences run at once, joined
-through each span's affine transition (`spans.py`, `Config.spans`; GPU).
-
-GPU backend: Pallas Triton. Mosaic GPU (wgmma, TMA) is the faster road on the H200, but it
-wants warpgroup-shaped tiles staged explicitly through shared memory, and the tile maths
-here (masked 2-D matmuls, reductions, iotas on values) would need rewriting around that
-memory model. Triton is deprecated in JAX 0.11.2 but runs there, lowers for CUDA from a
-CPU-only machine (so tests check the lowering), and its kernel bodies also run in
-interpret mode. On GPU and in interpret mode one program loops over the chunks.
-
-TPU backend: Mosaic, the same tile maths; the recurrences put the chunks on a sequential
-("arbitrary") last grid axis with the state in VMEM scratch, blocks of (64, 128) for the
-MXU, all of V (up to 128) per program. `kda_pallas_sharded` wraps it in shard_map.
-
-Layout: per-token arrays stay [B, T, H, D] on GPU and in interpret mode (a block is one
-head's rows, strided); on TPU the wrapper moves them to [B, H, T, D] (`heads_major`). T is
-padded to a multiple of the chunk and D to a power of two >= 16 (a copy only when needed).
-
-Speed on the H200 (benchmarks/results/kda.md): chunks of 16 (one diagonal tile) are fastest
-on the GPU, and the kernels match or beat fla's; chunk_bwd takes the largest share, bound by
-its chain of small dependent tile products rather than by bandwidth or FLOPs. Long sequences
-of few rows run faster in spans.
-"""
+"""Chunked KDA as Pallas kernels under one `jax.custom_vjp` (K3_SPEC 2.1): `prep` (per chunk:
+decays, scores, UT transform) and `rec_fwd` (the state, per V block); backward `rec_bwd`,
+`chunk_cots`, `chunk_bwd` (prep's hand-derived vjp). GPU: Triton, a program loops over the
+chunks (Mosaic GPU would need the tile maths rewritten for warpgroups); TPU: Mosaic, chunks on
+a sequential grid axis, state in VMEM. T pads to whole chunks, D to a power of two >= 16."""
 
 from __future__ import annotations
 
@@ -56,38 +18,24 @@ from pallas_kernels.kda.blocks import F32
 from pallas_kernels.kda.chunk import check_sub_chunk
 from pallas_kernels.platform import target_platform
 
-# block_v=None: the widest V block of 64, 32 or 16 that gives the recurrences this many
-# programs, else 16: wide blocks are faster while there are enough programs to fill the GPU,
-# narrow ones when there are few rows and heads (benchmarks/results/kda.md).
+# Tuned on the H200 (benchmarks/results/kda.md). block_v=None: the widest of BLOCKS_V
+# giving MIN_PROGRAMS programs (wide blocks only pay while the GPU is full).
 MIN_PROGRAMS = 256
 BLOCKS_V = (64, 32, 16)
-# rec_fwd saving states (GPU): V blocks of STATES_BLOCK_V at STATES_WARPS warps where they
-# give MIN_PROGRAMS programs (blocks.Config.states_block_v); with fewer programs 2 warps
-# were slower (benchmarks/results/kda.md).
 STATES_BLOCK_V, STATES_WARPS = 32, 2
-# spans=None (GPU): where V blocks of 16 give at most MIN_PROGRAMS programs, the sequence is
-# cut into spans (`spans.py`), doubling them while blocks of SPAN_BLOCK_V stay within
-# SPAN_PROGRAMS programs and every span keeps MIN_SPAN_CHUNKS chunks: spans pay off for long
-# sequences of few rows and cost time on short ones or with many programs already
-# (benchmarks/results/kda.md).
 SPAN_BLOCK_V, SPAN_PROGRAMS, MIN_SPAN_CHUNKS = 64, 256, 256
-# The GPU kernels' chunk lengths: chunk_bwd holds a chunk's prep and its vjp at once; at
-# C = 32 it spills registers and runs much slower than at 16, at 64 it needs more shared
-# memory than the H200 has (benchmarks/results/kda.md).
+# chunk_bwd holds prep and its vjp: C = 32 spills registers, 64 overflows shared memory
 GPU_CHUNK, GPU_MAX_CHUNK = 16, 32
 
 
 def default_chunk(platform: str) -> int:
-  """The kernels' chunk length when none is named: GPU_CHUNK on GPU, else 64 (TPU's MXU
-  tiles)."""
+  """C when none is named: GPU_CHUNK on GPU, else 64 (the MXU's tiles)."""
   return GPU_CHUNK if platform == "gpu" else 64
 
 
 def default_spans(platform, interpret, B, H, V, n_chunks):
-  """How many spans the recurrences run in (`spans.py`) when none is named: on GPU where V
-  blocks of 16 give at most MIN_PROGRAMS programs, the most (a power of two) with at most
-  SPAN_PROGRAMS programs at blocks of SPAN_BLOCK_V and MIN_SPAN_CHUNKS chunks a span; else
-  1."""
+  """Spans when none is named: 1, unless on GPU V blocks of 16 give <= MIN_PROGRAMS programs;
+  then the most (a power of two) within SPAN_PROGRAMS at SPAN_BLOCK_V, MIN_SPAN_CHUNKS each."""
   if platform != "gpu" or interpret or B * H * max(1, V // 16) > MIN_PROGRAMS:
     return 1
   n = 1
@@ -97,12 +45,8 @@ def default_spans(platform, interpret, B, H, V, n_chunks):
   return n
 
 
-# ------------------------------------------------------------------------------ custom_vjp
-
-
 def _forward(cfg, q, k, v, g, beta, st0, masks, save_states):
-  """prep and the recurrence: o, the final state, prep's outputs, the chunk states (None
-  unless saved) and the spans' transitions (None with one span)."""
+  """(o, final state, prep's outputs, chunk states or None, spans' transitions or None)."""
   prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
   o, st, states, trans = spans.forward(cfg, *prep, st0, q.dtype, save_states)
   return o, st, prep, states, trans
@@ -125,7 +69,7 @@ def _core_bwd(cfg, res, cots):
   q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved = res
   do, dst = cots
   masks = (doc_c, doc_r, sees, last)
-  if saved is None:  # recompute prep's outputs, the chunk states and the transitions
+  if saved is None:
     prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
     saved = (*prep, *spans.forward(cfg, *prep, st0, q.dtype, True)[2:])
   w, u, a, qs, ks, dec, states, trans = saved
@@ -141,38 +85,12 @@ def _core_bwd(cfg, res, cots):
 _kda_core.defvjp(_core_fwd, _core_bwd)
 
 
-# --------------------------------------------------------------------------------- wrapper
-
-
 def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                output_final_state=False, chunk_size=None, sub_chunk_size=16, interpret=False,
                platform=None, block_v=None, save_states=True, **tuning):
-  """Chunked KDA through the Pallas kernels; same contract as `kda_naive`, for any T.
-
-  Args:
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] with chunk.LOWER_BOUND <= g <= 0;
-      beta: [B, T, H]. bf16 or fp32; bf16 runs the big matmuls on bf16 operands with
-      fp32 accumulation, the state and decays stay fp32 either way.
-    scale, initial_state [B, H, K, V], segment_ids [B, T], output_final_state: as in
-      `kda_naive`.
-    chunk_size: C, a power of two >= 16, at most GPU_MAX_CHUNK on GPU; None: GPU_CHUNK on
-      GPU, else 64. sub_chunk_size: L, the diagonal tile length (C % L == 0,
-      |LOWER_BOUND| (L - 1) <= 80).
-    interpret: run the kernels in Pallas interpret mode (any device, CPU included).
-    platform: "gpu" or "tpu"; None: the default backend's.
-    block_v: V columns per program of the recurrence (GPU, interpret); None: the widest of
-      BLOCKS_V with B * H * spans * V / block_v >= MIN_PROGRAMS, else the narrowest; on GPU
-      rec_fwd saving states then takes STATES_BLOCK_V.
-    save_states: keep prep's outputs and the state entering each chunk for the backward
-      (else recompute them there).
-    tuning: further `Config` fields (spans, prep_warps, prep_precision, rec_stages,
-      rec_warps, states_block_v, states_warps, cots_warps, bwd_warps, bwd_precision).
-      spans None or absent: `default_spans` (GPU: several for long sequences of few rows
-      and heads, else 1).
-
-  Returns:
-    o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] float32 if requested.
-  """
+  """`kda_naive`'s contract, any T; bf16 inputs take bf16 matmul operands (fp32 state and
+  decays). chunk_size: a power of two >= 16, <= GPU_MAX_CHUNK on GPU; save_states=False
+  recomputes prep and the chunk states in the backward; tuning: `blocks.Config` fields."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   cfg, args = kernel_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -191,10 +109,7 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
 
 def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size,
                   sub_chunk_size, interpret, platform, block_v, save_states, **tuning):
-  """(Config, the kernels' inputs in their layout (`heads_major`; shapes here as on TPU)):
-  q, k, g [B, H, Tp, Kp], v [B, H, Tp, Vp], beta [B, H, Tp, 1], the initial state
-  (transposed) [B, H, Vp, Kp], document index [B, Tp, 1] and [B, N, 1, C], and the
-  sees/last masks [B, Tp, 1]."""
+  """(Config, padded inputs in the kernels' layout; the initial state as [B, H, Vp, Kp])."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   platform = "cpu" if interpret and platform is None else target_platform(None, platform)
@@ -226,28 +141,27 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
                block_v=block_v, mm_dtype=jnp.dtype(q.dtype).name if q.dtype == jnp.bfloat16
                else "float32", interpret=interpret, platform=platform,
                save_states=save_states, spans=n_spans, **tuning)
-  pad_t = -T % (C * n_spans)  # every span a whole number of chunks
+  pad_t = -T % (C * n_spans)
   Tp, N = T + pad_t, (T + pad_t) // C
   bv = min(block_v, Vp)
   if Vp % bv:
     raise ValueError(f"block_v={block_v} does not divide the padded V={Vp}")
 
-  def layout(x, d_pad):  # [B, T, H, D] -> [B, Tp, H, D + d_pad]; zeros change nothing
+  def layout(x, d_pad):
     x = jnp.pad(x, [(0, 0), (0, pad_t), (0, 0), (0, d_pad)])
     return jnp.swapaxes(x, 1, 2) if blocks.heads_major(platform) else x
 
   dt = q.dtype
   qh, kh = (layout(x.astype(dt), Kp - K) for x in (q, k))
   vh = layout(v.astype(dt), Vp - V)
-  # g and beta keep their own precision (an fp32 gate stays fp32: its sums set the decays).
+  # g and beta keep their dtype: an fp32 gate's sums set the decays
   gh = layout(g, Kp - K)
   bh = layout(beta[..., None], 0)
 
   doc = _document_index(segment_ids, B, T)
-  doc = jnp.pad(doc, [(0, 0), (0, pad_t)], mode="edge")  # padding joins the last document
+  doc = jnp.pad(doc, [(0, 0), (0, pad_t)], mode="edge")
   chunked = doc.reshape(B, N, C)
-  # The state entering a chunk belongs to the document of the token before the chunk.
-  doc_state = jnp.concatenate([chunked[:, :1, 0], chunked[:, :-1, -1]], axis=1)  # [B, N]
+  doc_state = jnp.concatenate([chunked[:, :1, 0], chunked[:, :-1, -1]], axis=1)
   sees = (chunked == doc_state[..., None]).astype(F32).reshape(B, Tp, 1)
   last = (chunked == chunked[..., -1:]).astype(F32).reshape(B, Tp, 1)
   doc_c, doc_r = doc[..., None], chunked[:, :, None, :]
@@ -261,7 +175,6 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
 
 
 def _document_index(segment_ids, B, T):
-  """[B, T] int32 run index (as chunk.py): +1 wherever the id changes."""
   if segment_ids is None:
     return jnp.zeros((B, T), jnp.int32)
   change = segment_ids[:, 1:] != segment_ids[:, :-1]
@@ -272,9 +185,7 @@ def _document_index(segment_ids, B, T):
 def kda_pallas_sharded(q, k, v, g, beta, *, mesh, batch_axis=None, head_axis=None,
                        initial_state=None, segment_ids=None, output_final_state=False,
                        **kwargs):
-  """`kda_pallas` under `jax.shard_map`: each device runs the kernels on its own slice of
-  the batch (mesh axis or axes `batch_axis`) and heads (`head_axis`); nothing is
-  communicated, since batch rows and heads are independent. kwargs go to `kda_pallas`."""
+  """`kda_pallas` per device under `jax.shard_map` over batch_axis and head_axis."""
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   tok, row, state = P(batch_axis, None, head_axis), P(batch_axis), P(batch_axis, head_axis)
   args, specs = [q, k, v, g, beta], [tok] * 5

@@ -1,8 +1,6 @@
-"""The inter-chunk state recurrence of KDA as Pallas kernels: `rec_fwd` and `rec_bwd`, one
-program per (batch row, head, span and V block) looping over the span's chunks (GPU, interpret
-mode) or the chunks on a sequential grid axis (TPU, one span). A span is a stretch of
-`cfg.spans`-th of the sequence whose recurrence starts from a given state (`spans.py` joins
-them); with one span a program runs the whole sequence. Overview: `pallas.py`."""
+"""KDA's inter-chunk recurrence, `rec_fwd` and `rec_bwd`: a program per (b, h, span and V
+block) loops over its span's chunks (GPU, interpret), or the chunks are a sequential grid
+axis (TPU, one span). States are kept transposed, [BV, K]. Overview: `pallas.py`."""
 
 from __future__ import annotations
 
@@ -17,17 +15,14 @@ from pallas_kernels.kda.blocks import F32
 
 
 def v_new(cfg, w, u, st):
-  """[C, BV] fp32: the chunk's corrected values u - w S for the state st [BV, K]."""
   return u.astype(F32) - tile.dot(w, st, "nt", cfg.precision, cfg.mm)
 
 
 def next_state(cfg, st, dec, vn, ks):
-  """[BV, K] fp32: the state leaving the chunk, S <- dec S + k_s^T v_new (transposed)."""
   return st * dec + tile.dot(vn, ks, "tn", cfg.precision, cfg.mm)
 
 
 def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
-  """One chunk: (o [C, BV], the next state) from the state st [BV, K] (transposed)."""
   mm, prec = cfg.mm, cfg.precision
   vn = v_new(cfg, w, u, st)
   o = tile.dot(qs, st, "nt", prec, mm) + tile.dot(a, vn, "nn", prec, mm)
@@ -36,11 +31,9 @@ def _fwd_step(cfg, w, u, a, qs, ks, dec, st):
 
 def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
                     *states_ref, cfg, n_chunks):
-  """GPU / interpret form: one program per (b, h, span and V block) loops over the span's
-  chunks."""
   C = cfg.chunk
 
-  def body(n, st):  # st: [BV, K] fp32, the state (transposed) entering chunk n
+  def body(n, st):
     rows = pl.ds(pl.multiple_of(n * C, C), C)
     if states_ref:
       states_ref[0][n] = st.astype(states_ref[0].dtype)
@@ -54,7 +47,6 @@ def _rec_fwd_kernel(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref
 
 def _rec_fwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o_ref, st_ref,
                         *rest, cfg, n_chunks):
-  """TPU form: the chunks are the last (sequential) grid axis; the state lives in VMEM."""
   *states_ref, scratch = rest
   n = pl.program_id(3)
 
@@ -76,9 +68,7 @@ def _rec_fwd_kernel_tpu(w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, st0_ref, o
 
 
 def _sizes(cfg, w, V, dec, states=False):
-  """(B, H, Tp, K, N, BV) of a recurrence call: w [B, H, Tp, K], dec [B, H, N, 1, K], and
-  the V columns per program (TPU: lane-dense blocks, all of V or 128 columns; states: for
-  rec_fwd saving the chunk states)."""
+  """(B, H, Tp, K, N, BV); on TPU BV is lane-dense: all of V or 128."""
   B, H, Tp, K = blocks.dims(cfg, w)
   bv = cfg.states_block_v if states and cfg.states_block_v else cfg.block_v
   BV = (V if V <= 128 else 128) if cfg.platform == "tpu" else min(bv, V)
@@ -86,12 +76,8 @@ def _sizes(cfg, w, V, dec, states=False):
 
 
 def _span_specs(cfg, Tp, N, K, V, BV):
-  """Grid (B, H, S x V blocks) of one span and V block per program, and the BlockSpecs:
-  (per-token rows of d columns, the same rows of the program's V block, the span's decay
-  rows, the span's chunk states [.., N / S, BV, K], a state per span [B, H, S, V, K]). With
-  one span the grid and block indices are (b, h, V block), as the kernels had before spans:
-  the same Triton program (a folded span index measurably slowed it:
-  benchmarks/results/kda.md)."""
+  """Grid (B, H, S x V blocks) and specs (tokens, V block, decays, chunk states, span state).
+  One span keeps indices (b, h, V block): a folded span index slows the Triton program."""
   S, nv = cfg.spans, V // BV
   at = (lambda j: (j // nv, j % nv)) if S > 1 else (lambda j: (0, j))  # (span, V block)
   tok = lambda d: blocks.tokens(cfg, Tp // S, d, lambda b, h, j: (b, h, at(j)[0], 0))
@@ -110,10 +96,9 @@ def _tpu_params():
 
 
 def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
-  """prep's outputs (w, u, A_qk, q_s, k_s, dec) and the state entering each span st0
-  [B, H, S, V, K] (transposed) fp32. Returns o [B, H, Tp, V] in out_dtype (the kernels'
-  layout), the state leaving each span [B, H, S, V, K] fp32 and, if save_states, the state
-  entering each chunk [B, H, N, V, K] in the operand dtype."""
+  """From prep's outputs and st0 [B, H, S, V, K] fp32 entering each span: o (kernels'
+  layout), the state leaving each span, and if save_states each chunk's entering state
+  [B, H, N, V, K] in the operand dtype."""
   V, C, S = u.shape[-1], cfg.chunk, cfg.spans
   B, H, Tp, K, N, BV = _sizes(cfg, w, V, dec, save_states)
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, V), out_dtype),
@@ -148,8 +133,7 @@ def rec_fwd(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
 
 
 def _rec_bwd_step(cfg, w, a, qs, ks, dec, do, dst):
-  """One chunk backwards, the sequential part only: from the cotangent of the state leaving
-  the chunk (dst [BV, K]) the cotangent of v_new [C, BV] and of the state entering it."""
+  """(dv_new [C, BV], d state entering) from the leaving state's cotangent dst [BV, K]."""
   mm, prec = cfg.mm, cfg.precision
   dvn = tile.dot(a, do, "tn", prec, mm) + tile.dot(ks, dst, "nt", prec, mm)
   dst = dst * dec + tile.dot(do, qs, "tn", prec, mm) - tile.dot(dvn, w, "tn", prec, mm)
@@ -158,13 +142,11 @@ def _rec_bwd_step(cfg, w, a, qs, ks, dec, do, dst):
 
 def _rec_bwd_kernel(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, *out_refs, cfg,
                     n_chunks):
-  """GPU / interpret form: one program per (b, h, span and V block), chunks in reverse. out_refs:
-  (dvn, the chunk states' cotangents, dst0), or dst0 alone (`rec_bwd(..., transition=True)`:
-  the span's own contribution to the cotangent entering it)."""
+  """out_refs: (dvn, chunk states' cotangents, dst0), or dst0 alone (transition=True)."""
   C = cfg.chunk
   *cots_refs, dst0_ref = out_refs
 
-  def body(i, dst):  # dst: [BV, K] fp32, cotangent of the state leaving chunk n
+  def body(i, dst):
     n = n_chunks - 1 - i
     rows = pl.ds(pl.multiple_of(n * C, C), C)
     if cots_refs:
@@ -180,7 +162,6 @@ def _rec_bwd_kernel(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, *out
 
 def _rec_bwd_kernel_tpu(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, dvn_ref,
                         dsts_ref, dst0_ref, scratch, *, cfg, n_chunks):
-  """TPU form: grid step n handles chunk N - 1 - n; the state's cotangent lives in VMEM."""
   n = pl.program_id(3)
 
   @pl.when(n == 0)
@@ -200,11 +181,9 @@ def _rec_bwd_kernel_tpu(w_ref, a_ref, qs_ref, ks_ref, dec_ref, do_ref, dst_ref, 
 
 
 def rec_bwd(cfg, w, a, qs, ks, dec, do, dst, transition=False):
-  """The recurrence backwards, sequential part: from do [B, H, Tp, V] and the cotangent of
-  the state leaving each span dst [B, H, S, V, K], the cotangents of v_new [B, H, Tp, V] fp32
-  (the kernels' layout), of the state leaving each chunk [B, H, N, V, K] (transposed, in the
-  operand dtype) and of the state entering each span [B, H, S, V, K] fp32. transition: the
-  last alone (GPU, interpret)."""
+  """From do and dst [B, H, S, V, K] (leaving each span): dv_new fp32, the cotangents of
+  each chunk's leaving state [B, H, N, V, K] and of each span's entering one (transition:
+  the last alone)."""
   V, C, S = do.shape[-1], cfg.chunk, cfg.spans
   B, H, Tp, K, N, BV = _sizes(cfg, w, V, dec)
   span_state = jax.ShapeDtypeStruct((B, H, S, V, K), F32)

@@ -1,24 +1,9 @@
-"""The recurrences over spans: a long sequence cut into `cfg.spans` stretches of chunks whose
-recurrences run in parallel (GPU, interpret mode), joined through each span's transition.
-
-With few batch rows and heads, one program per (row, head, V block) leaves most of the GPU
-idle while it walks thousands of dependent chunk steps (H200, (1, 32768, 16, 128): 128
-programs, 2,048 steps each; benchmarks/results/kda.md). The chunk step is affine in the
-state (transposed, st [V, K]): st' = st * dec + (u - w st^T)^T k_s, so a span maps the
-state entering it to the state leaving it as st_out = st_in P^T + R^T. Three passes
-replace the one:
-  transitions  every span at once: its [K + V, K] transition (P^T; R^T), the chunk step
-               run from st = I with u = 0 (P^T's rows) and from st = 0 (R^T's rows).
-  chain        the spans in order, [BV, K] x [K, K] a step: the state entering each span.
-  rec_fwd      every span at once from its entering state: o and the chunk states.
-The backward is the same in reverse: each span's own part of the cotangent entering it
-(rec_bwd from zero, `transition=True`), the chain through P (the transpose of the forward's
-linear part), then rec_bwd from the cotangent leaving each span. The forward's transitions
-are a residual (S [K + V, K] fp32 per row and head).
-
-Exact in exact arithmetic; in floating point P and R take the same bf16 products as the
-state does (the carry st * dec stays fp32), the chain runs in fp32 at `cfg.precision`.
-"""
+"""KDA's recurrences in `cfg.spans` parallel spans, for few rows and heads (GPU, interpret).
+The chunk step is affine in the transposed state, st' = st * dec + (u - w st^T)^T k_s, so a
+span maps st_out = st_in P^T + R^T. Forward: `transitions` (every span's [K + V, K] (P^T; R^T)
+at once, stepped from st = I with u = 0 and from st = 0), `chain` (the spans in order: each
+one's entering state), `rec_fwd` (every span at once). The backward mirrors it in reverse.
+P and R take the state's bf16 products (the carry stays fp32); the chain runs in fp32."""
 
 from __future__ import annotations
 
@@ -35,10 +20,7 @@ from pallas_kernels.kda.blocks import F32
 
 
 def forward(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
-  """The recurrence from prep's outputs and the initial state st0 [B, H, V, K] (transposed)
-  fp32: o in out_dtype, the final state [B, H, V, K] fp32, the state entering each chunk
-  (if save_states, else None) and the spans' transitions for `backward` (None with one
-  span)."""
+  """(o, final state, chunk states or None, transitions or None) from st0 [B, H, V, K]."""
   if cfg.spans == 1:
     o, st, *states = recurrence.rec_fwd(cfg, w, u, a, qs, ks, dec, st0[:, :, None],
                                         out_dtype, save_states)
@@ -51,9 +33,7 @@ def forward(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
 
 
 def backward(cfg, w, a, qs, ks, dec, do, dst, t):
-  """The recurrence backwards from do and the final state's cotangent dst [B, H, V, K]
-  (transposed) fp32, with `forward`'s transitions t: the cotangents of v_new, of the state
-  leaving each chunk and of the initial state (as `recurrence.rec_bwd`)."""
+  """(dv_new, chunk states' cotangents, dst0) from do, dst [B, H, V, K] and `forward`'s t."""
   if cfg.spans == 1:
     dvn, dstates, dst0 = recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do, dst[:, :, None])
     return dvn, dstates, dst0[:, :, 0]
@@ -65,8 +45,7 @@ def backward(cfg, w, a, qs, ks, dec, do, dst, t):
 
 
 def _transition_kernel(w_ref, u_ref, ks_ref, dec_ref, t_ref, *, cfg, n_chunks, p_blocks):
-  """One program per (b, h, row block of the transition, span): rows of P^T (the chunk step
-  from the identity's rows, u = 0) or of R^T (from zero, with u's V block)."""
+  """A program per (b, h, row block, span): rows of P^T (from I, u = 0) or R^T (from 0)."""
   C = cfg.chunk
   i = pl.program_id(2)
   BV, K = t_ref.shape
@@ -85,9 +64,7 @@ def _transition_kernel(w_ref, u_ref, ks_ref, dec_ref, t_ref, *, cfg, n_chunks, p
 
 
 def transitions(cfg, w, u, ks, dec):
-  """[B, H, S, K + V, K] fp32: each span's P^T (rows :K) and R^T (rows K:), where the state
-  leaving span s is st_in P_s^T + R_s^T for the state st_in entering it (transposed). Rows
-  in blocks of `cfg.transition_block`."""
+  """[B, H, S, K + V, K] fp32: each span's P^T (rows :K) and R^T (rows K:)."""
   V, S = u.shape[-1], cfg.spans
   B, H, Tp, K = blocks.dims(cfg, w)
   N = dec.shape[2]
@@ -107,9 +84,7 @@ def transitions(cfg, w, u, ks, dec):
 
 
 def _chain_kernel(p_ref, r_ref, st0_ref, states_ref, st_ref, *, cfg, n_spans, reverse):
-  """One program per (b, h, V block): forward, st <- st P_s^T + R_s^T over the spans,
-  storing the state entering each; reverse, dst <- dst P_s + E_s from the last span,
-  storing the cotangent leaving each."""
+  """Forward st <- st P_s^T + R_s^T; reverse dst <- dst P_s + E_s from the last span."""
   prec = cfg.precision
 
   def body(i, st):
@@ -121,11 +96,8 @@ def _chain_kernel(p_ref, r_ref, st0_ref, states_ref, st_ref, *, cfg, n_spans, re
 
 
 def chain(cfg, t, r, st0, *, reverse):
-  """The spans joined in order (reverse: from the last): t [B, H, S, K + V, K] (P^T in
-  rows :K), r the inhomogeneous parts (forward: t itself, R^T in rows K:; reverse: each
-  span's own cotangent [B, H, S, V, K]), st0 [B, H, V, K] the state entering the first span
-  (reverse: the cotangent leaving the last). Returns the state entering each span
-  (reverse: the cotangent leaving each) [B, H, S, V, K] and the final one [B, H, V, K]."""
+  """(state entering each span [B, H, S, V, K], final state) from t, the inhomogeneous parts
+  r (forward: t's rows K:; reverse: each span's own cotangent) and st0 [B, H, V, K]."""
   B, H, S, _, K = t.shape
   V = st0.shape[2]
   BV = min(cfg.chain_block, V, K)

@@ -1,28 +1,8 @@
-"""The Gram form of Newton-Schulz (K3_SPEC 5): iterate on the small [m, m] matrix, apply once.
-
-For a short-wide block X0 [m, n] (m <= n), every quintic step multiplies X on the left by a
-polynomial of its own Gram matrix: X_{k+1} = P_k X_k with P_k = a I + b A_k + c A_k^2 and
-A_k = X_k X_k^T. Hence
-
-    A_0 = X0 X0^T / s^2,   s = ||X0||_F + eps      (||X0||_F^2 = trace(X0 X0^T))
-    P_k = a I + b A_k + c A_k^2
-    A_{k+1} = P_k A_k P_k                          (P_k is a polynomial of A_k: they commute)
-    out = (P_{steps-1} ... P_0 / s) X0
-
-the same polynomial as the standard form in exact arithmetic. X0 is read twice (once for the
-Gram matrix, once for the product) instead of twice per step, and the iteration costs about
-17 m^3-sized matmuls instead of 10 (m^2 n)-sized ones, so it pays for m << n.
-
-The Gram matrix squares the condition number (float32 errors grow like cond^2 * 2^-24), so
-the [m, m] iteration always runs with float32 accumulation (HIGHEST; or, where a caller
-chooses it for bf16 inputs, bf16x3 at about 2^-16 or tf32 at about 2^-11 relative per
-product), and for bf16 inputs the final product
-uses q as two bf16 parts (hi + lo): a lone bf16 q would err by about 2^-9 times the block's
-condition number.
-
-`gram_matrix_polynomial` is written with 2-D-safe operations only (iota, single-axis sums)
-so that the Pallas kernels (Mosaic TPU, Triton) run the very same function.
-"""
+"""The Gram form of Newton-Schulz (K3_SPEC 5) for short-wide X0 [m, n], s = ||X0||_F + eps:
+    A_0 = X0 X0^T / s^2,  P_k = a I + b A_k + c A_k^2,  A_{k+1} = P_k A_k P_k,
+    out = (P_{steps-1} ... P_0 / s) X0.
+The Gram matrix squares the condition number: the iteration accumulates in fp32, and bf16
+inputs apply q as bf16 hi + lo (a lone bf16 q errs by ~2^-9 cond)."""
 
 from __future__ import annotations
 
@@ -48,42 +28,27 @@ def split_bf16(u):
 
 
 def gram_matrix_polynomial(gram, *, steps=STEPS, coeffs=COEFFS, eps=EPS, dot=dot_f32):
-  """The accumulated Newton-Schulz polynomial of one block, normalization included.
-
-  Args:
-    gram: [m, m] float32, X0 X0^T of the unnormalized block (zero-padded rows are fine:
-      their rows and columns stay zero apart from the diagonal, and never mix in).
-    dot: the [m, m] @ [m, m] float32 product to use (e.g. `dot_f32`).
-  Returns:
-    q [m, m] float32 with out = q @ X0.
-  """
+  """q [m, m] fp32 with out = q @ X0, from gram = X0 X0^T [m, m] fp32 (zero-padded rows
+  never mix in); dot: the [m, m] product."""
   a, b, c = coeffs
   m = gram.shape[-1]
   row = jax.lax.broadcasted_iota(jnp.int32, (m, m), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (m, m), 1)
   eye = (row == col).astype(_F32)
-  sq_norm = jnp.sum(jnp.sum(gram * eye, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
+  sq_norm = jnp.sum(jnp.sum(gram * eye, axis=1, keepdims=True), axis=0, keepdims=True)
   inv = 1.0 / (jnp.sqrt(sq_norm) + eps)
   g = gram * (inv * inv)
   q = eye
   for k in range(steps):
     p = a * eye + b * g + c * dot(g, g)
     q = p if k == 0 else dot(p, q)
-    if k + 1 < steps:  # the last step's Gram matrix is never used
+    if k + 1 < steps:
       g = dot(p, dot(p, g))
   return q * inv
 
 
 def newton_schulz_gram_xla(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, iterate_precision=None):
-  """The Gram form in plain XLA (batched einsums), for [..., m, n] blocks.
-
-  The Gram matrix and the final product take x's dtype (bf16, else float32) as operands with
-  float32 accumulation; the [m, m] iteration runs in float32 at `iterate_precision` (default:
-  HIGHEST for float32 x, bf16x3 otherwise; any `jax.lax` precision or DotAlgorithmPreset).
-
-  Returns:
-    [..., m, n] in x's dtype.
-  """
+  """The Gram form in plain XLA; the iteration at iterate_precision (default HIGHEST / bf16x3)."""
   if x.ndim < 2:
     raise ValueError(f"newton_schulz needs [..., m, n] blocks, got shape {x.shape}")
   out_dtype = x.dtype
@@ -108,7 +73,7 @@ def newton_schulz_gram_xla(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, iterate_pr
                                preferred_element_type=_F32)
   if exact:
     out = apply(q)
-  else:  # q as bf16 hi + lo: a lone bf16 q would cost ~2^-9 times the condition number
+  else:
     q_hi, q_lo = split_bf16(q)
     out = apply(q_lo) + apply(q_hi)
   out = out.astype(out_dtype).reshape(lead + (m, n))

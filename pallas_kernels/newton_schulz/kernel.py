@@ -1,40 +1,8 @@
-"""Pallas kernels for the Gram form of Newton-Schulz (see `gram.py` for the maths).
-
-The same three stages (Gram matrix, [m, m] polynomial, final product) in two layouts:
-
-- "whole", one kernel, grid = (blocks,): a program forms X X^T tile by tile, runs the [m, m]
-  iteration and writes q @ X. On TPU (Mosaic) the block [m, n] sits in VMEM (Pallas
-  double-buffers it across the grid), so X is read from HBM once: one read and one write,
-  the least traffic there is. VMEM holds 2 input + 2 output blocks, so a block must stay
-  under ~10 MB (128 x 16384 bf16 is 4 MB). On GPU (Pallas Triton) X stays in HBM and the
-  program reads it twice (one SM has 256 KB of registers: no block stays resident); this
-  is the bf16 default from 64 blocks.
-- "split", GPU only: a Gram kernel, grid = (blocks, splits), sums X X^T over its columns in
-  float32 registers; the iteration runs in its own kernel (or fused at the end of a
-  one-split Gram kernel, or in XLA); an apply kernel, grid = (blocks, n / (4 tiles)), writes
-  q @ X over the whole GPU. With few blocks this fills the SMs that one program per block
-  would leave idle. float32 inputs iterate in XLA (`newton_schulz_gpu` says why).
-  On the H200 "whole" is the fastest layout at K3's per-head blocks, then split with the
-  iteration fused, then in its own kernel (benchmarks/results/newton_schulz.md). The GPU
-  path takes m <= 128.
-
-Why Triton rather than Mosaic GPU: the work is two short streaming loops of small
-(m x 128) matmuls whose tiles Triton lays out, pipelines and feeds to the tensor cores from
-`jnp` code; Mosaic GPU would need hand-written TMA/wgmma pipelines and warpgroup layouts
-for the same result. Pallas Triton is deprecated as of jax 0.11.2 but works there (run on
-the H200) and lowers on jax 0.10.2; passing `pltriton.CompilerParams` selects it (jax's
-default GPU backend for `pallas_call` is Mosaic GPU).
-
-Arithmetic (both layouts, and interpret mode, which runs the same kernel bodies on a CPU):
-float32 inputs use float32 matmuls at HIGHEST precision throughout; bf16 inputs use bf16
-operands with float32 accumulation for X X^T and q @ X (q split into bf16 hi + lo), and
-the [m, m] iteration accumulates in float32 (TPU: HIGHEST; GPU: fp16 operands for bf16
-inputs, or bf16x3, see GPU_ITERATE).
-
-Padding (inside the wrapper, zeros): rows to the layout's multiple (zero rows of X give zero
-rows and columns of the Gram matrix, so they never mix into the real rows), columns to a
-multiple of the column tile (zero columns add nothing to X X^T); both are sliced off.
-"""
+"""Pallas kernels for the Gram form of Newton-Schulz (`gram.py`): X X^T, the [m, m] polynomial
+q, then q @ X, all in one program per block ("whole": TPU Mosaic with the block in VMEM, or
+GPU Triton), or on GPU split into Gram, iteration and apply kernels that fill the SMs when
+blocks are few. Triton, not Mosaic GPU: it pipelines these small matmuls from `jnp` code.
+bf16 inputs: bf16 operands, fp32 accumulation, q as bf16 hi + lo; fp32 inputs: HIGHEST."""
 
 from __future__ import annotations
 
@@ -56,22 +24,15 @@ _F32 = jnp.float32
 GPU_MAX_ROWS = 128  # the GPU Gram kernel keeps an [m, m] float32 accumulator in registers
 TPU_MAX_BLOCK_BYTES = 10 * 2**20  # VMEM holds 2 input and 2 output blocks
 GPU_TARGET_PROGRAMS = 264  # 2 programs per SM of an H100/H200
-WHOLE_MIN_BLOCKS = 64  # one program per block ("whole") from this many blocks
-# The GPU kernels' [m, m] iteration for bf16 inputs: the operands of its 17 products
-# (float32 accumulation either way). fp16 keeps tf32's 10 mantissa bits at the bf16
-# tensor-core rate, twice tf32's, and its range suffices: the Gram matrix is normalized
-# (entries <= 1) and q's entries stay below the polynomial's largest gain, a^steps ~ 500.
-# On the H200 fp16 is the fastest, with tf32's errors; bf16x3 is slower but far closer to
-# the float32 reference on ill-conditioned blocks, where fp16's error is about plain XLA's
-# bf16 (benchmarks/results/newton_schulz.md).
+WHOLE_MIN_BLOCKS = 64
+# bf16 inputs' GPU iteration operands: fp16 has tf32's mantissa at twice its rate, and the
+# normalized Gram matrix keeps q within its range; bf16x3 is closer on ill-conditioned blocks
 GPU_ITERATE = {"fp16": jnp.float16,
                "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3}
 
 
 def _out_struct(shape, dtype, like):
-  """A ShapeDtypeStruct that varies over the same shard_map axes as `like` (Pallas needs
-  this under shard_map; the keyword is `manual_axis_type` in jax 0.10 and 0.11, `vma`
-  in older versions)."""
+  """A ShapeDtypeStruct varying over `like`'s shard_map axes, as Pallas needs there."""
   aval = jax.typeof(like)
   params = inspect.signature(jax.ShapeDtypeStruct).parameters
   for name in ("manual_axis_type", "vma"):
@@ -123,21 +84,18 @@ def _gram_tiles(x_ref, first, count, tn, exact):
 
 
 def _whole_kernel(x_ref, o_ref, *, tn, exact, poly):
-  """One block: x_ref, o_ref [m, n] (VMEM on TPU, HBM on GPU)."""
   nt = x_ref.shape[1] // tn
   q = poly(_gram_tiles(x_ref, 0, nt, tn, exact))
   _apply_tiles(_apply_operands(q, exact), x_ref, o_ref, tn, exact)
 
 
 def _gram_kernel(x_ref, g_ref, *, tn, exact, poly=None):
-  """One (block, split): x_ref [m, k * tn] columns of the block; g_ref [m, m] float32, the
-  partial Gram matrix, or with `poly` (one split) the block's polynomial q."""
+  """g_ref [m, m]: the split's partial Gram matrix, or with `poly` (one split) q."""
   gram = _gram_tiles(x_ref, 0, x_ref.shape[1] // tn, tn, exact)
   g_ref[...] = gram if poly is None else poly(gram)
 
 
 def _poly_kernel(g_ref, q_ref, *, poly):
-  """One block: g_ref [splits, m, m] partial Gram matrices; q_ref [m, m] its polynomial."""
   gram = g_ref[0]
   for s in range(1, g_ref.shape[0]):
     gram += g_ref[s]
@@ -145,7 +103,6 @@ def _poly_kernel(g_ref, q_ref, *, poly):
 
 
 def _apply_kernel(q_ref, x_ref, o_ref, *, tn, exact):
-  """q_ref [m, m] float32; x_ref and o_ref [m, k * tn], k column tiles of one block."""
   _apply_tiles(_apply_operands(q_ref[...], exact), x_ref, o_ref, tn, exact)
 
 
@@ -166,13 +123,11 @@ def _as_blocks(x, row_multiple, col_multiple):
 
 
 def _compute_dtype(x):
-  """float32 and bf16 run as they are; other float dtypes run in float32."""
   return x.dtype if x.dtype in (jnp.float32, jnp.bfloat16) else jnp.float32
 
 
 def _tpu_layout(shape, dtype, tile_n=512):
-  """(rows, column tile, columns) of a padded block of the fused TPU kernel: rows in whole
-  (8, 128) float32 / (16, 128) bf16 tiles, columns a multiple of the tile (<= tile_n)."""
+  """(rows, column tile, columns) of a padded TPU block: rows in whole sublane tiles."""
   m, n = sorted(shape[-2:])
   tn = min(tile_n, _round_up(n, 128))
   return _round_up(m, 16 if dtype == jnp.bfloat16 else 8), tn, _round_up(n, tn)
@@ -186,11 +141,7 @@ def tpu_block_bytes(shape, dtype, tile_n=512):
 
 
 def newton_schulz_tpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False, tile_n=512):
-  """The fused Mosaic kernel. x: [..., m, n] -> [..., m, n] in x's dtype.
-
-  Rows are padded to whole sublane tiles (8 float32, 16 bf16), columns to a multiple of the
-  column tile (min(tile_n, n rounded up to 128); tile_n a multiple of 128).
-  """
+  """The fused Mosaic kernel: x [..., m, n] -> x's dtype; tile_n a multiple of 128."""
   out_dtype, dtype = x.dtype, _compute_dtype(x)
   exact = dtype == _F32
   rows, tn, _ = _tpu_layout(x.shape, dtype, tile_n)
@@ -220,16 +171,14 @@ def newton_schulz_tpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
 
 
 def _gpu_splits(num_blocks, num_tiles):
-  """Column splits of the Gram kernel: the smallest divisor of num_tiles that gives at least
-  GPU_TARGET_PROGRAMS programs (or num_tiles)."""
+  """The smallest divisor of num_tiles giving GPU_TARGET_PROGRAMS programs, else num_tiles."""
   want = max(1, math.ceil(GPU_TARGET_PROGRAMS / num_blocks))
   return next((d for d in range(1, num_tiles + 1) if num_tiles % d == 0 and d >= want),
               num_tiles)
 
 
 def _gpu_apply_tiles(num_blocks, num_tiles, most=4):
-  """Column tiles per apply program (q is loaded once per program): the largest divisor of
-  num_tiles up to `most` that leaves at least GPU_TARGET_PROGRAMS programs (or 1)."""
+  """The largest divisor <= most of num_tiles leaving GPU_TARGET_PROGRAMS programs, else 1."""
   fits = [d for d in range(1, most + 1)
           if num_tiles % d == 0 and num_blocks * num_tiles // d >= GPU_TARGET_PROGRAMS]
   return max(fits, default=1)
@@ -238,39 +187,15 @@ def _gpu_apply_tiles(num_blocks, num_tiles, most=4):
 def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False, tile_n=None,
                       splits=None, apply_tiles=None, iterate=None, iterate_precision=None,
                       num_warps=4, num_stages=3, iterate_warps=8):
-  """The Triton kernels. x: [..., m, n], with min(m, n) <= 128 -> [..., m, n] in x's dtype.
-
-  iterate: where the [m, m] iteration runs, i.e. the kernel layout:
-    "whole": one kernel, one program per block: Gram matrix, iteration and q @ X, the TPU
-      kernel's layout, X read twice by the same program (it stays in HBM). The bf16
-      default from WHOLE_MIN_BLOCKS blocks, the fastest layout there on the H200 with
-      either iteration precision (benchmarks/results/newton_schulz.md).
-    "fused": at the end of a Gram kernel with one program per block, then an apply kernel
-      over the whole GPU.
-    "kernel": a Triton kernel of its own, after a Gram kernel split over columns; the bf16
-      default for fewer blocks, which would leave most SMs idle in a one-program-per-block
-      Gram pass.
-    "xla": batched XLA matmuls between the Gram and apply kernels; the float32 default:
-      Triton's IEEE float32 dots become unrolled FMA code, and a program of 17 [128, 128]
-      products did not finish compiling on the H200 (benchmarks/results/newton_schulz.md).
-  iterate_precision: the bf16 iteration's operands, a name of GPU_ITERATE (float32 x
-    iterates at HIGHEST), or any jax precision, used as given; default "fp16" (float32
-    accumulation): on the H200 about as fast as bf16 operands and more accurate, faster than
-    tf32 (Precision.DEFAULT) at the same error, less accurate than "bf16x3" but faster
-    (benchmarks/results/newton_schulz.md).
-
-  Rows are padded to a power of two >= 16 (Triton tiles), columns to a multiple of the tile
-  (tile_n, default 64 for float32, 256 for bf16 "whole", 128 otherwise). splits: column
-  splits of the Gram kernel; apply_tiles: column tiles per apply program (defaults fill the
-  GPU, see `_gpu_splits`).
-  """
+  """The Triton kernels, min(m, n) <= GPU_MAX_ROWS. iterate: "whole", "kernel", "fused" or
+  "xla" (fp32's default: Triton's fp32 dots unroll into FMA code too long to compile)."""
   out_dtype, dtype = x.dtype, _compute_dtype(x)
   exact = dtype == _F32
   m, n = sorted(x.shape[-2:])
   if m > GPU_MAX_ROWS:
     raise ValueError(f"the GPU Gram kernel takes blocks with min(m, n) <= {GPU_MAX_ROWS}, "
                      f"got {x.shape[-2:]}")
-  if iterate is None:  # float32: Triton's IEEE dots unroll into FMA code too long to compile
+  if iterate is None:
     blocks = math.prod(x.shape[:-2])
     iterate = "xla" if exact else "whole" if blocks >= WHOLE_MIN_BLOCKS else "kernel"
   m_pad = max(16, 1 << (m - 1).bit_length())
@@ -285,9 +210,8 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   cols = nt // splits * tn
 
   if iterate_precision is None or iterate_precision in GPU_ITERATE:
-    # a name sets the bf16 iteration; float32 inputs iterate at HIGHEST
     iterate_precision = _HI if exact else GPU_ITERATE[iterate_precision or "fp16"]
-  if isinstance(iterate_precision, type):  # an operand dtype (fp16), float32 accumulation
+  if isinstance(iterate_precision, type):
     operand = iterate_precision
     dot = lambda u, v: jnp.matmul(u.astype(operand), v.astype(operand),
                                   preferred_element_type=_F32)
@@ -334,7 +258,7 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
         interpret=interpret,
     )(partial)
   elif iterate == "xla":
-    q = jax.vmap(poly)(jnp.sum(partial, axis=1))  # [B, m_pad, m_pad]
+    q = jax.vmap(poly)(jnp.sum(partial, axis=1))
   else:
     raise ValueError(f"iterate={iterate!r}: choose 'xla', 'kernel', 'fused' or 'whole'")
 

@@ -1,17 +1,6 @@
-"""Newton-Schulz orthogonalization in plain JAX: the standard quintic form (K3_SPEC 5).
-
-Every trailing [m, n] block of x is orthogonalized on its own. The block is divided by its
-Frobenius norm (plus eps), transposed when m > n so that the Gram matrix is the small one,
-and then `steps` times
-
-    A = X X^T,    X <- a X + (b A + c A A) X.
-
-`newton_schulz_reference` does all of it in float32 at full matmul precision: it is the
-oracle the kernels are tested against (and equals `optax.contrib`'s
-`orthogonalize_via_newton_schulz` on a 2-D block). `newton_schulz_xla` is the same
-standard form as fast code runs it: in the input's dtype (bf16 stays bf16, each matmul
-accumulating in float32), identical to the reference for float32 inputs.
-"""
+"""Newton-Schulz in plain JAX, the standard quintic form (K3_SPEC 5): per trailing [m, n]
+block, X = x / (||x||_F + eps) made short-wide, then `steps` times X <- a X + (b A + c A A) X
+with A = X X^T."""
 
 from __future__ import annotations
 
@@ -41,11 +30,11 @@ def _standard_form(x, *, steps, coeffs, eps, dtype, precision):
   norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
   x = (x / (norm + eps)).astype(dtype)
 
-  def mm(u, v):  # [..., p, q] @ [..., q, r] -> dtype (the matmul accumulates in float32)
+  def mm(u, v):
     return jnp.matmul(u, v, precision=precision, preferred_element_type=dtype)
 
   for _ in range(steps):
-    gram = mm(x, jnp.swapaxes(x, -1, -2))  # [..., m, m]
+    gram = mm(x, jnp.swapaxes(x, -1, -2))
     poly = b * gram + c * mm(gram, gram)
     x = a * x + mm(poly, x)
   if transposed:
@@ -54,27 +43,14 @@ def _standard_form(x, *, steps, coeffs, eps, dtype, precision):
 
 
 def newton_schulz_reference(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS):
-  """The standard form, all in float32 at HIGHEST precision (the test oracle).
-
-  Args:
-    x: [..., m, n], any float dtype; each trailing block is orthogonalized on its own.
-  Returns:
-    [..., m, n] in x's dtype.
-  """
+  """The standard form in fp32 at HIGHEST: the test oracle (optax's on a 2-D block)."""
   return _standard_form(x, steps=steps, coeffs=coeffs, eps=eps, dtype=jnp.float32,
                         precision=_HI)
 
 
 def newton_schulz_xla(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS):
-  """The standard form in x's dtype, as Muon implementations usually run it ("plain XLA NS5",
-  like optax): a bf16 x stays bf16 throughout (matmuls accumulate in float32 inside and round
-  their results to bf16); a float32 x gives exactly `newton_schulz_reference`.
-
-  Args:
-    x: [..., m, n].
-  Returns:
-    [..., m, n] in x's dtype.
-  """
+  """The standard form in x's dtype, as optax runs it: bf16 stays bf16 between matmuls; fp32
+  x gives `newton_schulz_reference` exactly."""
   dtype = x.dtype if x.dtype == jnp.bfloat16 else jnp.float32
   return _standard_form(x, steps=steps, coeffs=coeffs, eps=eps, dtype=dtype,
                         precision=_HI if dtype == jnp.float32 else None)

@@ -1,10 +1,5 @@
-"""KDA's short convolution: causal, depthwise, never across a document boundary, then SiLU
-and (for q and k) an L2 norm over the head dimension. `short_conv` dispatches to a
-backend; all share `short_conv_reference`'s contract.
-
-Modules: `reference.py` (plain JAX, fp32 inside), `kernel.py` (Pallas Triton kernels with
-a custom VJP; interpret mode on any device).
-"""
+"""KDA's short convolution (causal, depthwise, within documents) + SiLU (+ L2 norm for q, k):
+`short_conv` dispatches to `reference.py` or the Triton kernels of `kernel.py`."""
 
 from __future__ import annotations
 
@@ -19,22 +14,15 @@ from pallas_kernels.short_conv.reference import short_conv_reference
 
 __all__ = ["BACKENDS", "short_conv", "short_conv_pallas", "short_conv_reference", "with_halo"]
 
-# "reference": plain JAX; "kernel": the Triton kernels (GPU only); "interpret": the same
-# kernels in Pallas interpret mode (any device, slow, for tests); "auto": "kernel" on GPU,
-# "reference" elsewhere (Mosaic cannot gather rows, see kernel.py).
+# "auto": "kernel" on GPU, else "reference" (Mosaic cannot gather rows)
 BACKENDS = ("reference", "kernel", "interpret", "auto")
 
 
 def short_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                normalize: bool = False, backend: str = "reference", mesh=None,
                batch_axis=None, head_axis=None, seq_axis=None, platform=None) -> jax.Array:
-  """silu(causal depthwise conv of x) [B, T, H, D] in x's dtype, L2-normalized over D if
-  `normalize`; x [B, T, H, D], weight [W, H, D], segment_ids [B, T] (see
-  `short_conv_reference`). mesh, batch_axis, head_axis: where x is sharded; the kernels then
-  run per device under `shard_map` (nothing is communicated: rows and heads are
-  independent). seq_axis: the mesh axis splitting T (context parallelism); every backend
-  then runs per device, on its slice behind the W - 1 tokens before it (`with_halo`).
-  platform: as in `pallas_kernels.kda.kda`."""
+  """`short_conv_reference` through `backend`; the kernels run per device under `shard_map`
+  over batch_axis and head_axis; seq_axis splits T for every backend (`with_halo`)."""
   if backend not in BACKENDS:
     raise ValueError(f"unknown short-conv backend {backend!r}; choose one of {BACKENDS}")
   if backend == "auto":
@@ -59,10 +47,8 @@ def short_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
 
 
 def with_halo(conv, x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *, axis):
-  """conv(x, weight, segment_ids) on one device's slice of T (inside `shard_map` over
-  `axis`), reading the W - 1 tokens before the slice from the previous device: they are
-  prepended (zeros on the first device, which a causal conv reads as its own padding) and
-  their outputs dropped."""
+  """conv on one device's slice of T with the W - 1 tokens before it prepended, from the
+  previous device along `axis` (zeros on the first)."""
   halo = weight.shape[0] - 1
   if halo == 0:
     return conv(x, weight, segment_ids)

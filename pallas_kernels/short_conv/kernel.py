@@ -1,22 +1,7 @@
-"""KDA's short convolution as Pallas Triton kernels (GPU; interpret mode anywhere).
-
-One program per (batch row, block of T rows, head) reads its rows and the W - 1 rows before
-them by row index (a gather, masked at the sequence start and at document boundaries), so
-no copy of x is shifted or padded in memory. Everything is fp32 inside; the output is in
-x's dtype.
-
-Forward: y = silu(p) (L2-normalized over D if asked), p = sum_j w[j] * x[t - j].
-Backward, two kernels (the input gradient at row t needs dp at rows t .. t + W - 1, which
-another program computes; recomputing those W - 1 rows' dp in one kernel instead was
-slower on the H200, benchmarks/results/short_conv.md):
-- `_grad_p_kernel` recomputes p and writes dp (fp32) and each block's tap sums
-  sum_t x[t - j] * dp[t] (fp32; the wrapper adds the blocks up);
-- `_grad_x_kernel`: dx[t] = sum_j w[j] * dp[t + j].
-Nothing but x is saved for the backward.
-
-Mosaic (TPU) has no row gather from a VMEM block, so the dispatcher runs the reference on
-TPU.
-"""
+"""KDA's short convolution as Pallas Triton kernels, fp32 inside: y = silu(p) (L2-normalized
+if asked), p = sum_j w[j] x[t - j]. A program per (row, block of T, head) gathers its rows
+and the W - 1 before them by index, masked at the start and at document boundaries. Backward
+(only x saved): `_grad_p_kernel` (dp, per-block tap sums), `_grad_x_kernel` (dx = w * dp)."""
 
 from __future__ import annotations
 
@@ -28,8 +13,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.short_conv.reference import EPS, F32, check_shapes
 
-# Rows per program: 16 was the fastest of 16, 32 and 64 on the H200, forward + backward,
-# for q/k and v (benchmarks/results/short_conv.md).
 BLOCK_T = 16
 
 
@@ -38,8 +21,7 @@ def _rows(block_t):
 
 
 def _tap(ref, seg_ref, t, seg_t, j, limit):
-  """ref's rows t + j (fp32 [BT, D]), zero where t + j is outside [0, limit) or in
-  another document than t."""
+  """ref's rows t + j (fp32), zero outside [0, limit) or in another document than t."""
   r = t + j
   ok = (r >= 0) & (r < limit)
   r = jnp.clip(r, 0, limit - 1)
@@ -48,7 +30,6 @@ def _tap(ref, seg_ref, t, seg_t, j, limit):
 
 
 def _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit):
-  """p = sum_j w[j] x[t - j], fp32 [BT, D]."""
   p = x_ref[t, :].astype(F32) * w_ref[0, :].astype(F32)[None]
   for j in range(1, taps):
     p += _tap(x_ref, seg_ref, t, seg_t, -j, limit) * w_ref[j, :].astype(F32)[None]
@@ -106,8 +87,7 @@ def _call(kernel, *args, grid, in_specs, out_specs, out_shape, interpret):
 
 
 def _specs(Tp, D, Wp, block_t):
-  """BlockSpecs, grid (B, Tp / BT, H): (all of one head's rows, its block of rows, its
-  taps, the row's segment ids)."""
+  """Grid (B, Tp / BT, H): (a head's rows, its row block, its taps, the row's ids)."""
   whole = pl.BlockSpec((None, Tp, None, D), lambda b, i, h: (b, 0, h, 0))
   block = pl.BlockSpec((None, block_t, None, D), lambda b, i, h: (b, i, h, 0))
   taps = pl.BlockSpec((Wp, None, D), lambda b, i, h: (0, h, 0))
@@ -156,9 +136,7 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                       normalize: bool = False, block_t: int = BLOCK_T,
                       interpret: bool = False) -> jax.Array:
-  """`short_conv_reference` (same arguments and result) through the kernels. T is padded
-  to a multiple of the row block, D to a power of two >= 16 and the taps to a power of two
-  (Triton's block shapes; a copy only when needed)."""
+  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks)."""
   check_shapes(x, weight, segment_ids)
   B, T, H, D = x.shape
   W = weight.shape[0]

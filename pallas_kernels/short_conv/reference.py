@@ -1,5 +1,4 @@
-"""KDA's short convolution in plain JAX: the reference of the kernel (`kernel.py`) and the
-path on TPU and CPU."""
+"""KDA's short convolution in plain JAX: the reference, and the path on TPU and CPU."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ EPS = 1e-6  # added to the sum of squares of the L2 norm
 
 
 def check_shapes(x: jax.Array, weight: jax.Array, segment_ids: jax.Array):
-  """ValueError naming the shapes unless weight is [W, H, D] and segment_ids [B, T] for x
-  [B, T, H, D] (broadcasting would otherwise hide a wrong weight)."""
+  """ValueError unless weight is [W, H, D], segment_ids [B, T] (broadcasting hides errors)."""
   B, T, H, D = x.shape
   if weight.ndim != 3 or weight.shape[1:] != (H, D) or segment_ids.shape != (B, T):
     raise ValueError(f"short_conv: x {x.shape} needs weight [W, {H}, {D}] and segment_ids "
@@ -21,13 +19,9 @@ def check_shapes(x: jax.Array, weight: jax.Array, segment_ids: jax.Array):
 
 def short_conv_reference(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                          normalize: bool = False) -> jax.Array:
-  """silu(causal depthwise conv of x), L2-normalized over D if `normalize`.
-
-  x: [B, T, H, D]; weight: [W, H, D] (tap j multiplies x[t - j]); segment_ids: [B, T] (a tap
-  never reads a token of another document). Computed in fp32: the taps' gradients are then
-  fp32 sums over all B x T positions (bf16 sums drift: benchmarks/results/kda.md). Returns
-  [B, T, H, D] in x's dtype: fp32 weights must not promote bf16 activations.
-  """
+  """silu(causal depthwise conv of x [B, T, H, D]) in x's dtype, L2-normalized over D if
+  `normalize`; tap j of weight [W, H, D] reads x[t - j] of the same document. fp32 inside:
+  the taps' gradients sum over all B x T positions."""
   check_shapes(x, weight, segment_ids)
   xf, weight = x.astype(F32), weight.astype(F32)
   out = xf * weight[0]
