@@ -27,9 +27,8 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
-from k3jax import cli, decode
+from k3jax import axes, cli, decode
 from k3jax import config as k3config
-from k3jax.model import axes
 from k3jax.model.k3 import K3Model
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "64"], "rows decoded together")

@@ -76,9 +76,7 @@ def get_config(arg: str | None = None):
   c = k3config.base_config()
   c.model.vision.enabled = True
   c.data.worker_count = 8  # per training process: pieces read ahead of packing
-  # TPU: the dropless dispatch per device (plain "dropless" is left unpartitioned by XLA:
-  # every device would run every token's experts); GPU: the same where every device holds
-  # all experts, else capacity buffers (k3jax.model.moe_dispatch.resolve_dispatch)
+  # per platform and mesh: the rule of k3jax.model.moe_dispatch.resolve_dispatch
   c.model.moe.dispatch = "auto"
   if arg:
     if arg not in VARIANTS:

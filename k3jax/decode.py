@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.model import attn_res, axes, embedding
+from k3jax import axes
+from k3jax.model import attn_res, embedding
 from k3jax.model.k3 import K3Model
 
 

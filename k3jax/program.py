@@ -27,11 +27,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3jax import checkpoint, optim, parallel
+from k3jax import axes, checkpoint, optim, parallel
 from k3jax.config import MODEL_RESTORE_FIELDS, ConfigError, check_context, xla_options
 from k3jax.data import MediaSpec, feature_shapes
-from k3jax.model import K3Model, axes
-from k3jax.steps import compute_dtypes, make_steps
+from k3jax.model import K3Model
+from k3jax.steps import compute_views, make_steps
 
 
 def batch_shapes(cfg) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -51,7 +51,6 @@ class Program:
   mesh: Mesh
   graphdef: Any
   tx: optax.GradientTransformation
-  schedule: optax.Schedule
   abstract_params: Any            # nnx.State of the parameters, with metadata (no arrays)
   state_shardings: tuple          # (params, rest, opt_state) NamedShardings
   abstract_state: tuple           # the same, as ShapeDtypeStructs carrying the shardings
@@ -104,8 +103,8 @@ def build(cfg, mesh: Mesh) -> Program:
   graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
   parallel.check_divisible(abs_params, mesh)
   parallel.check_divisible(abs_rest, mesh)
-  tx, schedule = optim.make_optimizer(cfg, abs_params, mesh=mesh,
-                                      param_specs=parallel.param_specs(abs_params))
+  tx, _ = optim.make_optimizer(cfg, abs_params, mesh=mesh,
+                               param_specs=parallel.param_specs(abs_params))
   param_sh, opt_sh = parallel.state_shardings(mesh, tx, abs_params)
   state_sh = (param_sh, parallel.shardings(mesh, abs_rest), opt_sh)
 
@@ -122,10 +121,10 @@ def build(cfg, mesh: Mesh) -> Program:
   train_step, eval_step = make_steps(
       graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau, microbatches=t.microbatches,
       loss_chunk=t.loss_chunk,
-      cast_dtypes=compute_dtypes(abs_params) if t.cast_params_once else None)
+      views=compute_views(abs_params) if t.cast_params_once else None)
   options = compiler_options(t.xla_options, mesh, deterministic=t.deterministic)
   return Program(
-      cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx, schedule=schedule,
+      cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx,
       abstract_params=abs_params, state_shardings=state_sh, abstract_state=abstract_state,
       batch_shardings=batch_shardings(cfg, mesh), init=init,
       train_step=jax.jit(train_step, donate_argnums=(0, 1, 2),
@@ -177,7 +176,10 @@ RUN_ONLY_FIELDS = ("train.log_every", "train.eval_every", "train.eval_batches",
                    "train.eval_text", "train.eval_choices", "train.compilation_cache",
                    "train.checkpoint_every", "train.keep_checkpoints",
                    "train.keep_checkpoint_every", "train.max_bad_steps", "train.peak_tflops",
-                   "train.skip_batches", "data")
+                   "train.skip_batches", "data",
+                   # state of the optimizer, not constants of the step (optim.schedule)
+                   "train.steps", "optimizer.learning_rate", "optimizer.warmup_steps",
+                   "optimizer.min_lr_ratio")
 _BUILT: collections.OrderedDict = collections.OrderedDict()
 _KEEP_BUILT = 2
 

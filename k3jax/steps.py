@@ -11,6 +11,7 @@ placeholder tokens (`K3Model.embed_with_images`); "weights" already hold 0 there
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -18,8 +19,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from k3jax import axes
 from k3jax.media import PackedMedia
-from k3jax.model import K3Model, axes
+from k3jax.model import K3Model, mxfp4
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
@@ -93,21 +95,39 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
   return jax.tree.map(split, batch)
 
 
-def compute_dtypes(abstract_params) -> Any:
-  """Per leaf of the pure parameter state, the name of the `compute_dtype` its metadata
-  names, or "" (`k3jax.model.layers.param`). abstract_params: `nnx.state(model,
-  nnx.Param)`, arrays or abstract: only metadata is read."""
-  return jax.tree.map(lambda v: v.get_metadata().get("compute_dtype", ""), abstract_params,
-                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+@dataclasses.dataclass(frozen=True)
+class ComputeView:
+  """How every use of a parameter sees it (`k3jax.model.layers.param`): quantized
+  (`quant`, "mxfp4"), then cast to `dtype`; empty strings keep the stored values."""
+  dtype: str = ""
+  quant: str = ""
+
+  def __bool__(self) -> bool:
+    return bool(self.dtype or self.quant)
+
+  def __call__(self, p: jax.Array) -> jax.Array:
+    if self.quant == "mxfp4":
+      p = mxfp4.fake_quantize(p, axis=-2)
+    return p.astype(self.dtype) if self.dtype else p
 
 
-def cast_to_compute_dtypes(params, dtypes):
-  """params with each leaf that `dtypes` (`compute_dtypes`) names cast to that dtype."""
-  return jax.tree.map(lambda p, dt: p.astype(dt) if dt else p, params, dtypes)
+def compute_views(abstract_params) -> Any:
+  """Per leaf of the pure parameter state, its `ComputeView` from the metadata's
+  `compute_dtype` and `compute_quant`. abstract_params: `nnx.state(model, nnx.Param)`,
+  arrays or abstract: only metadata is read."""
+  def view(v):
+    meta = v.get_metadata()
+    return ComputeView(meta.get("compute_dtype", ""), meta.get("compute_quant", ""))
+  return jax.tree.map(view, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def apply_views(params, views):
+  """params with each leaf's `ComputeView` applied (`compute_views`)."""
+  return jax.tree.map(lambda p, view: view(p), params, views)
 
 
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
-               microbatches: int = 1, loss_chunk: int = 0, cast_dtypes: Any = None):
+               microbatches: int = 1, loss_chunk: int = 0, views: Any = None):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
 
   With microbatches > 1 the batch runs as that many sequential slices (`jax.lax.scan`)
@@ -115,7 +135,12 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   slice's activation memory. The batch's rows must split evenly.
 
   After the optimizer update the step applies what lives outside the gradient: the
-  Quantile-Balancing bias update and QK-Clip (tau = qk_clip_tau; 0 only reports).
+  balancing bias update (Quantile Balancing or aux-free) and QK-Clip (tau = qk_clip_tau;
+  0 only reports).
+
+  With moe.balancing "aux_loss" the gradient is that of the LM loss plus the balancing
+  loss (`K3Model.balance_loss`; a microbatch adds its share of the batch's token-weighted
+  mean); out["loss"] stays the LM loss, out["moe_aux_loss"] is the term added to it.
 
   A step whose loss or gradient is not finite changes nothing: params, optimizer state and
   biases come back as they went in, and out["skipped"] is 1 (0 otherwise).
@@ -123,50 +148,64 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   loss_chunk > 0: the LM head and the loss run that many positions at a time
   (`chunked_cross_entropy`); the same loss and gradients without the whole logits.
 
-  cast_dtypes: `compute_dtypes` of the parameters (`train.cast_params_once`), or None. The
-  leaves it names are cast once per step, before the microbatches, instead of in every
-  forward (and remat recompute) of the model; each microbatch's gradient of the cast copy is
-  what the model's own cast would pass back, so the step's gradients are the same.
+  views: `compute_views` of the parameters (`train.cast_params_once`), or None. The leaves
+  with a view get it once per step (quantized, cast), before the microbatches, instead of in
+  every forward (and remat recompute) of the model; each microbatch's gradient of the
+  prepared copy is what the model's own cast (and straight-through quantization) would pass
+  back, so the step's gradients are the same.
   """
-  def loss_fn(params, rest, batch, denominator=None):
+  def loss_fn(params, rest, batch, denominator=None, tokens=None):
+    """(LM loss + balancing loss, (LM loss, balancing loss or None, aux)). denominator
+    (the LM loss's) and tokens (the balancing loss's: valid tokens): the whole batch's,
+    for a microbatch; None: this batch's."""
     model = nnx.merge(graphdef, params, rest)
+    if views is not None:
+      model.set_attributes(weights_prepared=True)   # modules without it ignore it
     media = batch_media(batch)
     h, aux = model.hidden(batch["inputs"], batch["segment_ids"], media)
     with jax.named_scope("lm_head_loss"):
       loss = chunked_cross_entropy(model.logits, h, batch["targets"], batch["weights"],
                                    denominator, loss_chunk)
-    return loss, aux
+    if tokens is None:
+      tokens = _token_count(batch["segment_ids"] > 0)
+    balance = model.balance_loss(aux, tokens)
+    return loss if balance is None else loss + balance, (loss, balance, aux)
 
   def loss_and_grads(params, rest, batch):
-    """(loss, aux, grads) of the whole batch, one microbatch at a time."""
+    """(LM loss, balancing loss or None, aux, grads) of the whole batch, one microbatch
+    at a time."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     computed = params
-    if cast_dtypes is not None:
-      computed = cast_to_compute_dtypes(params, cast_dtypes)
+    if views is not None:
+      computed = apply_views(params, views)
 
     def in_param_dtypes(grads):  # a cast's transpose: what the model's own cast would pass
       return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     if microbatches == 1:
-      (loss, aux), grads = grad_fn(computed, rest, batch)
-      return loss, aux, in_param_dtypes(grads)
+      (_, (loss, balance, aux)), grads = grad_fn(computed, rest, batch)
+      return loss, balance, aux, in_param_dtypes(grads)
     denominator = _token_count(batch["weights"])
+    tokens = _token_count(batch["segment_ids"] > 0)
 
     def accumulate(grads, mb):
-      (loss, aux), mb_grads = grad_fn(computed, rest, mb, denominator)
-      return jax.tree.map(jnp.add, grads, in_param_dtypes(mb_grads)), (loss, aux)
+      (_, parts), mb_grads = grad_fn(computed, rest, mb, denominator, tokens)
+      return jax.tree.map(jnp.add, grads, in_param_dtypes(mb_grads)), parts
 
-    grads, (losses, auxes) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params),
-                                          split_microbatches(batch, microbatches))
-    return jnp.sum(losses), K3Model.reduce_aux(auxes), grads
+    grads, (losses, balances, auxes) = jax.lax.scan(
+        accumulate, jax.tree.map(jnp.zeros_like, params),
+        split_microbatches(batch, microbatches))
+    balance = None if balances is None else jnp.sum(balances)
+    return jnp.sum(losses), balance, K3Model.reduce_aux(auxes), grads
 
   def train_step(params, rest, opt_state, batch):
-    loss, aux, grads = loss_and_grads(params, rest, batch)
+    loss, balance, aux, grads = loss_and_grads(params, rest, batch)
     # the update: its ops are the "optimizer" component of a profile (gpu_trace.py)
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
       # one NaN/Inf anywhere poisons the norm
-      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      objective = loss if balance is None else loss + balance
+      finite = jnp.isfinite(objective) & jnp.isfinite(grad_norm)
       updates, new_opt_state = tx.update(grads, opt_state, params)
       model = nnx.merge(graphdef, optax.apply_updates(params, updates), rest)
       load = model.update_balance(aux)
@@ -180,13 +219,15 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
       opt_state = keep(new_opt_state, opt_state)
       out = {"loss": loss, "grad_norm": grad_norm, "param_norm": optax.tree.norm(params),
              "skipped": (~finite).astype(jnp.int32), **load, **clip}
+      if balance is not None:
+        out["moe_aux_loss"] = balance
     return params, rest, opt_state, out
 
-  def eval_step(params, rest, batch):
+  def eval_step(params, rest, batch):  # the LM loss alone
     if microbatches == 1:
-      return loss_fn(params, rest, batch)[0]
+      return loss_fn(params, rest, batch)[1][0]
     denominator = _token_count(batch["weights"])
-    losses = jax.lax.map(lambda mb: loss_fn(params, rest, mb, denominator)[0],
+    losses = jax.lax.map(lambda mb: loss_fn(params, rest, mb, denominator)[1][0],
                          split_microbatches(batch, microbatches))
     return jnp.sum(losses)
 

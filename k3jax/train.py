@@ -202,18 +202,15 @@ def train(cfg, workdir: str, *, stop_after: int | None = None,
   k3config.validate(cfg)
   preemption = Preemption()
   try:
-    return _train(cfg, workdir, preemption, stop_after, profile_steps)
+    with profile.names_in_cache_key(profile_steps is not None):
+      return _train(cfg, workdir, preemption, stop_after, profile_steps)
   finally:
     preemption.close()
 
 
 def _train(cfg, workdir, preemption, stop_after, profile_steps):
   t = cfg.train
-  tokenizer = k3data.make_tokenizer(cfg.data.tokenizer)
-  try:
-    k3data.check_vocab(tokenizer, cfg.model.vocab_size)
-  except ValueError as e:
-    raise k3config.ConfigError(str(e)) from None
+  tokenizer = make_tokenizer(cfg)
   tasks = eval_tasks(t)
   if t.compilation_cache:
     say(f"compile: cache in {compilation_cache(workdir)}")
@@ -224,142 +221,62 @@ def _train(cfg, workdir, preemption, stop_after, profile_steps):
                                  keep_every=t.keep_checkpoint_every,
                                  save_every=t.checkpoint_every,
                                  compress=t.checkpoint_compression)
-
   mesh = parallel.make_mesh(cfg.mesh)
   say("model: building (abstract) ...")
   prog = program.build_once(cfg, mesh)
-  batch_shardings = prog.batch_shardings
-  say(f"mesh: {dict(mesh.shape)}; batch sharded as {batch_shardings['inputs'].spec}")
-  say(f"optimizer: {optim.describe(cfg, prog.abstract_params)}")
-  fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
-  say(f"model: {prog.num_params:,} parameters; {fpt / 1e9:.3f} GFLOP/token (train, analytic); "
-      f"layers {K3Model.__name__} {cfg.model.num_layers}, d {cfg.model.d_model}, "
-      f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}")
-  abs_state, init = prog.abstract_state, prog.init
+  describe_program(cfg, prog)
   checkpoint.check_free_space(ckpt.directory, prog.state_bytes)
   # Before any state exists: the state, then the compiled step, against the devices' HBM
   # (where its size is known; on CPU nothing is checked or compiled here).
   _, train_step = memory.preflight(prog, log=say)
-  eval_step, schedule = prog.eval_step, prog.schedule
-  ds = k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
-                           seed=cfg.seed, process_index=jax.process_index(),
-                           process_count=jax.process_count(),
-                           media=k3data.MediaSpec.from_config(cfg.model.vision))
-  data_iter = iter(ds)
-
+  data_iter = iter(k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
+                                       seed=cfg.seed, process_index=jax.process_index(),
+                                       process_count=jax.process_count(),
+                                       media=k3data.MediaSpec.from_config(cfg.model.vision)))
   config_json = cfg.to_json()
-  restored = ckpt.restore_latest(abs_state, config_json=config_json,
-                                 must_match=k3config.RESTORE_FIELDS)
-  if restored is None:
-    if t.init_from:   # no random parameters made: they would double the peak memory
-      _, params, rest = checkpoint.restore_params(
-          t.init_from, abs_state, config_json=config_json,
-          must_match=k3config.MODEL_RESTORE_FIELDS, field="config.train.init_from")
-      opt_state = jax.jit(prog.tx.init, out_shardings=prog.state_shardings[2])(params)
-      say(f"init: parameters from {t.init_from}, fresh optimizer state")
-    else:
-      say("init: fresh parameters")
-      params, rest, opt_state = init()
-    step, bad = 0, BadSteps(t.max_bad_steps, ckpt)
-  else:
-    step = restored.step
-    say(f"restore: step {step} from {workdir}")
-    params, rest, opt_state = restored.state
-    if restored.data is None:
-      raise ValueError(f"checkpoint {step} in {workdir} holds no data-iterator state")
-    data_iter.set_state(restored.data)
-    bad = BadSteps(t.max_bad_steps, ckpt, **(restored.progress or {}))
+  step, (params, rest, opt_state), bad = start_state(cfg, prog, ckpt, data_iter, workdir,
+                                                     config_json)
+  # this run's schedule, whatever the program or checkpoint was built with
+  opt_state = optim.with_schedule(opt_state, optim.ScheduleParams.of(cfg))
   skip = k3config.skip_batches(t)
   if skip and skip[0] == step:
     for _ in range(skip[1]):
       next(data_iter)
     say(f"data: skipped the {skip[1]} batches after step {step} (train.skip_batches)")
-  writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0, resume_step=step)
-
-
-  local_batch = t.global_batch // jax.process_count()
-  tokens_per_step = t.global_batch * t.seq_len
-  peak = t.peak_tflops * 1e12 or flops.peak_flops(jax.devices()[0])
-  say(f"data: {cfg.data.source} corpus, {tokenizer.describe()}, seq {t.seq_len}, "
-      f"global batch {t.global_batch} ({tokens_per_step:,} tokens/step), "
-      f"{local_batch} rows on this process"
-      + (f", {t.microbatches} microbatches" if t.microbatches > 1 else ""))
-  if cfg.data.images.source != "none":
-    v = cfg.model.vision
-    say(f"data: {cfg.data.images.source} image-text examples, weight {cfg.data.images.weight}; "
-        f"per row one packed buffer of {v.max_patches} patches / {v.max_media} images")
-  say(f"train: steps {step} -> {t.steps}, log every {t.log_every}, eval every {t.eval_every}, "
-      f"checkpoint every {t.checkpoint_every}, workdir {workdir}")
+  describe_run(cfg, tokenizer, step, workdir)
 
   heartbeat = Heartbeat()
   trace = profile.StepTrace(profile_steps, os.fspath(paths.path(workdir) / "profile"),
                             lambda: program_text(prog, train_step))
-  window_t0, window_steps, run_t0, run_steps = time.time(), 0, time.time(), 0
-  pending = None
+  report = Report(cfg, prog, tasks, tokenizer, heartbeat,
+                  metrics.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                       resume_step=step),
+                  metrics.StepTimer(tokens_per_step=t.global_batch * t.seq_len,
+                                    total_steps=t.steps, start_step=step))
+  run_t0, run_steps = time.time(), 0
   last = t.steps if stop_after is None else min(t.steps, step + stop_after)
   try:
     while step < last:
-      batch = put_batch(next(data_iter), batch_shardings)
+      batch = put_batch(next(data_iter), prog.batch_shardings)
       heartbeat.start(f"step {step + 1}" + (" (compiling)" if run_steps == 0 else ""))
       trace.before(step + 1)
       with prog.rules():
         params, rest, opt_state, out = train_step(params, rest, opt_state, batch)
       preemption.arm()   # compiled and under way: a SIGTERM now waits for its checkpoint
-      step += 1
+      step, run_steps = step + 1, run_steps + 1
       if trace.after(step, out):
         say(f"profile: steps {profile_steps[0]}-{step} traced into {trace.directory}")
-      run_steps += 1
-      window_steps += 1
-      pending = out
       bad.add(step, out["skipped"])
       if step % t.log_every == 0 or step == last:
         bad.settle()
-        out = jax.device_get(pending)
-        heartbeat.done()
-        dt = time.time() - window_t0
-        tok_s = window_steps * tokens_per_step / dt
-        scalars = {k: float(np.asarray(v)) for k, v in out.items()}
-        scalars["skipped"] = bad.skipped  # the running total, not this step's flag
-        scalars.update(tokens_per_sec=tok_s, lr=float(schedule(step - 1)),
-                       step_time=dt / window_steps)
-        if peak:
-          scalars["mfu"] = flops.mfu(tok_s / jax.device_count(), fpt, peak)
-        eta = (t.steps - step) * dt / window_steps
-        say(f"step {step:>6}/{t.steps}  loss {scalars['loss']:.4f}  "
-            f"grad_norm {scalars['grad_norm']:.3f}  lr {scalars['lr']:.2e}  "
-            f"{tok_s:,.0f} tok/s  " + (f"mfu {scalars['mfu']:.1%}  " if peak else "")
-            + f"moe max/mean {scalars.get('moe_max_load', float('nan')):.2f}  "
-            f"eta {metrics.format_duration(eta)}")
-        writer.write_scalars(step, scalars)
-        window_t0, window_steps = time.time(), 0
+        report.step(step, out, bad.skipped)
       if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-        heartbeat.start(f"eval at step {step}")
-        with prog.rules():
-          loss = evaluate(cfg, eval_step, params, rest, batch_shardings)
-        heartbeat.done()
-        say(f"eval  {step:>6}  held-out loss {loss:.4f}")
-        scores = {"eval_loss": loss}
-        if tasks is not None:
-          heartbeat.start(f"eval tasks at step {step}")
-          with prog.rules():
-            scores.update(tasks(nnx.merge(prog.graphdef, params, rest), tokenizer))
-          heartbeat.done()
-          say(f"eval  {step:>6}  " + "  ".join(f"{k.removeprefix('eval_')} {v:.4f}"
-                                                for k, v in scores.items() if k != "eval_loss"))
-        writer.write_scalars(step, scores)
-        window_t0 = time.time()
+        report.evaluate(step, params, rest)
       preempted = preemption.reached(step, ckpt)
       saved = False
       if step % t.checkpoint_every == 0 or step == last or preempted:
-        bad.settle()
-        if bad.bad_run:   # the state may be the start of a divergence: keep the last good one
-          say(f"step {step}: no checkpoint during {bad.bad_run} skipped step(s) in a row; "
-              f"the last is step {ckpt.latest_step()}")
-        else:
-          writer.flush()  # the metrics of every saved step survive a kill after the commit
-          ckpt.save(step, (params, rest, opt_state), data_iter.get_state(), config_json,
-                    progress=bad.progress(), force=True)
-          saved = True
+        saved = save_unless_diverging(step, ckpt, bad, report.writer, (params, rest, opt_state),
+                                      data_iter, config_json)
       if preempted:
         say(f"preempted: {f'saved step {step}' if saved else 'nothing saved'}; "
             "rerun the same command to continue")
@@ -368,10 +285,142 @@ def _train(cfg, workdir, preemption, stop_after, profile_steps):
     trace.close()
     heartbeat.close()
     ckpt.close()   # waits for the saves in flight
-    writer.close()
+    report.writer.close()
   say(f"done: step {step}, {run_steps} steps this run in "
       f"{metrics.format_duration(time.time() - run_t0)}")
   return params, rest
+
+
+def make_tokenizer(cfg):
+  """data.tokenizer's tokenizer; ConfigError if it makes ids past model.vocab_size."""
+  tokenizer = k3data.make_tokenizer(cfg.data.tokenizer)
+  try:
+    k3data.check_vocab(tokenizer, cfg.model.vocab_size)
+  except ValueError as e:
+    raise k3config.ConfigError(str(e)) from None
+  return tokenizer
+
+
+def save_unless_diverging(step: int, ckpt, bad: BadSteps, writer: metrics.MetricWriter, state,
+                          data_iter, config_json: str) -> bool:
+  """Saves `state` as step `step` (after flushing the metrics, so those of every saved step
+  survive a kill after the commit), unless the step ends a run of skipped updates: that
+  state may be the start of a divergence, and the last good checkpoint must stay. True when
+  saved."""
+  bad.settle()
+  if bad.bad_run:
+    say(f"step {step}: no checkpoint during {bad.bad_run} skipped step(s) in a row; "
+        f"the last is step {ckpt.latest_step()}")
+    return False
+  writer.flush()
+  ckpt.save(step, state, data_iter.get_state(), config_json, progress=bad.progress(),
+            force=True)
+  return True
+
+
+def describe_program(cfg, prog) -> None:
+  """The mesh, optimizer and model lines of a run's log."""
+  say(f"mesh: {dict(prog.mesh.shape)}; batch sharded as {prog.batch_shardings['inputs'].spec}")
+  say(f"optimizer: {optim.describe(cfg, prog.abstract_params)}")
+  fpt = flops.flops_per_token(cfg.model, cfg.train.seq_len)["train"]
+  say(f"model: {prog.num_params:,} parameters; {fpt / 1e9:.3f} GFLOP/token (train, analytic); "
+      f"layers {K3Model.__name__} {cfg.model.num_layers}, d {cfg.model.d_model}, "
+      f"compute {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}")
+
+
+def describe_run(cfg, tokenizer, step: int, workdir: str) -> None:
+  """The data and schedule lines of a run's log."""
+  t = cfg.train
+  say(f"data: {cfg.data.source} corpus, {tokenizer.describe()}, seq {t.seq_len}, "
+      f"global batch {t.global_batch} ({t.global_batch * t.seq_len:,} tokens/step), "
+      f"{t.global_batch // jax.process_count()} rows on this process"
+      + (f", {t.microbatches} microbatches" if t.microbatches > 1 else ""))
+  if cfg.data.images.source != "none":
+    v = cfg.model.vision
+    say(f"data: {cfg.data.images.source} image-text examples, weight {cfg.data.images.weight}; "
+        f"per row one packed buffer of {v.max_patches} patches / {v.max_media} images")
+  say(f"train: steps {step} -> {t.steps}, log every {t.log_every}, eval every {t.eval_every}, "
+      f"checkpoint every {t.checkpoint_every}, workdir {workdir}")
+
+
+def start_state(cfg, prog, ckpt, data_iter, workdir: str, config_json: str):
+  """(step, (params, rest, opt_state), BadSteps) to start from: the workdir's latest
+  checkpoint (its data-iterator position restored into `data_iter`), else
+  `train.init_from`'s parameters with a fresh optimizer state, else a fresh init."""
+  t = cfg.train
+  restored = ckpt.restore_latest(prog.abstract_state, config_json=config_json,
+                                 must_match=k3config.RESTORE_FIELDS)
+  if restored is not None:
+    say(f"restore: step {restored.step} from {workdir}")
+    if restored.data is None:
+      raise ValueError(f"checkpoint {restored.step} in {workdir} holds no data-iterator state")
+    data_iter.set_state(restored.data)
+    return (restored.step, restored.state,
+            BadSteps(t.max_bad_steps, ckpt, **(restored.progress or {})))
+  if t.init_from:   # no random parameters made: they would double the peak memory
+    _, params, rest = checkpoint.restore_params(
+        t.init_from, prog.abstract_state, config_json=config_json,
+        must_match=k3config.MODEL_RESTORE_FIELDS, field="config.train.init_from")
+    opt_state = jax.jit(prog.tx.init, out_shardings=prog.state_shardings[2])(params)
+    say(f"init: parameters from {t.init_from}, fresh optimizer state")
+    state = params, rest, opt_state
+  else:
+    say("init: fresh parameters")
+    state = prog.init()
+  return 0, state, BadSteps(t.max_bad_steps, ckpt)
+
+
+class Report:
+  """A run's log lines and metrics: the step scalars at log points, the held-out loss and
+  eval tasks at eval points."""
+
+  def __init__(self, cfg, prog, tasks, tokenizer, heartbeat: Heartbeat,
+               writer: metrics.MetricWriter, timer: metrics.StepTimer):
+    self.cfg, self.prog, self.tasks, self.tokenizer = cfg, prog, tasks, tokenizer
+    self.heartbeat, self.writer, self.timer = heartbeat, writer, timer
+    self.fpt = flops.flops_per_token(cfg.model, cfg.train.seq_len)["train"]
+    self.peak = cfg.train.peak_tflops * 1e12 or flops.peak_flops(jax.devices()[0])
+    self.schedule = optim.make_schedule(cfg)
+
+  def step(self, step: int, out: dict, skipped: int) -> None:
+    """Logs and writes step `step`'s outputs (waiting for them); `skipped`: the running
+    total of skipped updates."""
+    scalars = {k: float(np.asarray(v)) for k, v in jax.device_get(out).items()}
+    self.heartbeat.done()
+    rates = self.timer.update(step)
+    scalars["skipped"] = skipped
+    scalars.update(tokens_per_sec=rates["tokens_per_sec"], lr=float(self.schedule(step - 1)),
+                   step_time=rates["step_time"])
+    if self.peak:
+      scalars["mfu"] = flops.mfu(rates["tokens_per_sec"] / jax.device_count(), self.fpt,
+                                 self.peak)
+    say(f"step {step:>6}/{self.cfg.train.steps}  loss {scalars['loss']:.4f}  "
+        f"grad_norm {scalars['grad_norm']:.3f}  lr {scalars['lr']:.2e}  "
+        f"{rates['tokens_per_sec']:,.0f} tok/s  "
+        + (f"mfu {scalars['mfu']:.1%}  " if self.peak else "")
+        + f"moe max/mean {scalars.get('moe_max_load', float('nan')):.2f}  "
+        f"eta {metrics.format_duration(rates['eta_seconds'])}")
+    self.writer.write_scalars(step, scalars)
+
+  def evaluate(self, step: int, params, rest) -> None:
+    """The held-out loss (and eval tasks) of the state after `step`, logged and written;
+    the time it takes is left out of the next throughput."""
+    prog = self.prog
+    self.heartbeat.start(f"eval at step {step}")
+    with prog.rules():
+      loss = evaluate(self.cfg, prog.eval_step, params, rest, prog.batch_shardings)
+    self.heartbeat.done()
+    say(f"eval  {step:>6}  held-out loss {loss:.4f}")
+    scores = {"eval_loss": loss}
+    if self.tasks is not None:
+      self.heartbeat.start(f"eval tasks at step {step}")
+      with prog.rules():
+        scores.update(self.tasks(nnx.merge(prog.graphdef, params, rest), self.tokenizer))
+      self.heartbeat.done()
+      say(f"eval  {step:>6}  " + "  ".join(f"{k.removeprefix('eval_')} {v:.4f}"
+                                            for k, v in scores.items() if k != "eval_loss"))
+    self.writer.write_scalars(step, scores)
+    self.timer.reset(step)
 
 
 def program_text(prog, train_step) -> str:

@@ -19,9 +19,8 @@ from tpu_aot import tiny_kernel_config, tpu_devices, tpu_mesh
 
 from conftest import micro_config
 from experiments import k3_full
-from k3jax import aot, memory, parallel, program
+from k3jax import aot, axes, memory, parallel, program
 from k3jax import config as k3config
-from k3jax.model import axes
 from k3jax.model.latent_moe import LatentMoE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

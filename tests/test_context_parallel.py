@@ -257,7 +257,7 @@ def test_moe_capacity_is_per_slice_of_a_row(dispatch):
   batch cut into half rows ([B, T] -> [2B, T / 2]), outputs, drop counts and gradients."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   from k3jax import parallel  # noqa: PLC0415
-  from k3jax.model.axes import use_rules  # noqa: PLC0415
+  from k3jax.axes import use_rules  # noqa: PLC0415
   from test_latent_moe import D, E, K, make  # noqa: PLC0415
   _, module = make(dispatch=dispatch, capacity_factor=E / (K * 4))   # pairs are dropped
   b, t = 2, 16

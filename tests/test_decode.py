@@ -196,7 +196,7 @@ def test_a_cache_sharded_on_a_mesh_decodes_as_the_forward():
   positions over context."""
   from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
   from k3jax import parallel  # noqa: PLC0415
-  from k3jax.model.axes import use_rules  # noqa: PLC0415
+  from k3jax.axes import use_rules  # noqa: PLC0415
   c = micro_config()
   c.model.moe.dispatch, c.model.kda.backend = "dropless", "naive"
   model = random_model(c.model, model_cls=K3Model)

@@ -16,9 +16,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from conftest import micro_config, ragged_all_to_all_by_gather, random_model
-from k3jax import parallel
+from k3jax import axes, parallel
 from k3jax.config import ConfigError, validate
-from k3jax.model import axes
 from k3jax.model import quantile_balancing as qb
 from k3jax.model.latent_moe import LatentMoE
 

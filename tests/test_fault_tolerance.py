@@ -77,7 +77,7 @@ def _metrics(workdir):
 
 @TRAIN_PROGRAM
 def test_nan_batch_is_skipped_and_counted(tmp_path, monkeypatch):
-  c = train_config()   # train.steps stays: it shapes the schedule, so the compiled program
+  c = train_config()
   c.train.checkpoint_every, c.train.keep_checkpoints, c.train.eval_every = 2, 0, 0
   _poison(monkeypatch, {3})
   params, rest = k3train.train(c, str(tmp_path / "stopped"), stop_after=3)
@@ -312,10 +312,11 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, micro):
 
 def test_sigterm_during_the_first_compile_exits_within_seconds(tmp_path, micro):
   """Nothing new to save before the first step runs: the process ends at once, not after
-  the compile (minutes) and a step. A new learning rate makes the step a new program."""
+  the compile (minutes) and a step. A new weight decay makes the step a new program (a new
+  learning rate would not: the schedule's numbers are optimizer state)."""
   config, env = micro
   cmd = fault_injection.train_command(config, str(tmp_path / "run"),
-                                      ["--config.optimizer.learning_rate=0.0123"])
+                                      ["--config.optimizer.weight_decay=0.0123"])
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env, cwd=fault_injection.REPO)
   lines = []

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.axes import use_rules
 from k3jax.config import base_config
 from k3jax.model import quantile_balancing as qb
-from k3jax.model.axes import use_rules
 from k3jax.model.latent_moe import LatentMoE, update_bias
 
 D, E, K, LAT, HID, SHARED, BINS = 24, 8, 3, 12, 16, 20, 64

@@ -192,3 +192,33 @@ def test_split_variable_state_path():
                              rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(new["norm"][...]), 1.0)
   np.testing.assert_array_equal(np.asarray(new["queries"][...]), 1.0)
+
+
+def test_schedule_numbers_are_state_not_program():
+  """The schedule's numbers live in the optimizer state: a state given another config's
+  numbers (`with_schedule`, as k3jax.train does after a restore) updates as that config's
+  own optimizer does, from one traced update function."""
+  from k3jax.optim import ScheduleParams, with_schedule  # noqa: PLC0415
+  params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+  grads = {"w": jnp.full((4, 3), 0.5), "b": jnp.full((3,), -1.0)}
+  short, long = _cfg(lr=1e-2, warmup=2, steps=10), _cfg(lr=3e-3, warmup=5, steps=50,
+                                                       min_ratio=0.3)
+  tx_short, _ = make_optimizer(short)
+  tx_long, _ = make_optimizer(long)
+  traces = []
+
+  @jax.jit
+  def update(state):
+    traces.append(1)
+    return tx_short.update(grads, state, params)
+
+  state = tx_short.init(params)
+  for _ in range(3):
+    state = update(state)[1]
+  moved = with_schedule(state, ScheduleParams.of(long))
+  got, _ = update(moved)
+  want, _ = tx_long.update(grads, moved, params)   # the same state under long's own tx
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  assert len(traces) == 1
+  own, _ = update(state)
+  assert not np.allclose(got["w"], own["w"])   # the numbers did change the update

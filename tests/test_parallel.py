@@ -12,9 +12,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import micro_config, ragged_all_to_all_by_gather, random_model
-from k3jax import parallel
+from k3jax import axes, parallel
 from k3jax.config import ConfigError, validate
-from k3jax.model import K3Model, axes
+from k3jax.model import K3Model
 from k3jax.steps import cross_entropy
 
 # One pytest-xdist worker for the module (--dist loadgroup): its module-wide fixtures and

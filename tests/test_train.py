@@ -4,6 +4,7 @@ uninterrupted one."""
 import json
 import os
 import pathlib
+import shutil
 import sys
 
 import jax
@@ -14,7 +15,7 @@ from flax import nnx
 
 from k3jax import config as k3config
 from k3jax import data as k3data
-from k3jax import parallel, program, scoring
+from k3jax import optim, parallel, program, scoring
 from k3jax import train as k3train
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -89,6 +90,28 @@ def test_resumed_run_equals_uninterrupted(uninterrupted, tmp_path):
   for (path, a), (_, b) in zip(nnx.to_flat_state(params2), nnx.to_flat_state(params)):
     np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(path))
   jax.tree.map(np.testing.assert_array_equal, rest2, rest)  # Quantile-Balancing biases
+
+
+def test_a_longer_run_goes_on_with_the_program_it_has(uninterrupted, tmp_path):
+  """The finished 12-step run, rerun with 16 steps and half the peak rate, resumes at step 12
+  and trains steps 13-16 on the program already built: the schedule's numbers are optimizer
+  state (k3jax.optim.schedule), and the logged rate follows the new schedule."""
+  workdir, *_ = uninterrupted
+  longer = str(tmp_path / "run")
+  shutil.copytree(workdir, longer)
+  c = train_config()
+  c.train.steps, c.optimizer.learning_rate = 16, c.optimizer.learning_rate / 2
+  mesh = parallel.make_mesh(c.mesh)
+  built = program.build_once(train_config(), mesh)
+  k3train.train(c, longer)
+  assert program.build_once(c, mesh) is built
+  with open(os.path.join(longer, "metrics.jsonl")) as f:
+    rows = {r["step"]: r for r in map(json.loads, f) if "lr" in r}
+  assert sorted(rows) == list(range(1, 17))
+  schedule = optim.make_schedule(c)
+  for step in range(13, 17):
+    np.testing.assert_allclose(rows[step]["lr"], float(schedule(step - 1)), rtol=1e-6)
+  assert np.isfinite([rows[s]["loss"] for s in range(13, 17)]).all()
 
 
 def test_vocab_smaller_than_tokenizer_is_refused(tmp_path):

@@ -9,9 +9,9 @@ from conftest import micro_config, random_model, set_field
 from flax import nnx
 
 from k3jax import config as k3config
+from k3jax.axes import axis_names
 from k3jax.media import pack, patchify, patchify_video
 from k3jax.model import K3Model
-from k3jax.model.axes import axis_names
 from k3jax.model.vision import Projector, VisionTower, insert_features, param_counts
 from k3jax.model.vision_pos import grid_embedding, rope_2d
 

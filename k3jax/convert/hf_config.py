@@ -18,7 +18,7 @@ from typing import Any
 
 import ml_collections
 
-from k3jax.config import ConfigError
+from k3jax.config_error import ConfigError
 
 # release field -> k3jax model field, where the two agree one to one
 DIRECT = {

@@ -1,14 +1,11 @@
 """Input data: tokenizers, document sources, prepared shards and the grain pipeline."""
 
+from k3jax.data.config import PACKINGS, SOURCES, check_config, data_config, validate_data
 from k3jax.data.corpus import SPLITS, default_documents, unigram_entropy
 from k3jax.data.images import IMAGE_SOURCES, MediaSpec
 from k3jax.data.pipeline import (
     FEATURES,
     MEDIA_FEATURES,
-    PACKINGS,
-    SOURCES,
-    check_config,
-    data_config,
     document_pieces,
     feature_shapes,
     make_dataset,
@@ -55,4 +52,5 @@ __all__ = [
     "source_pieces",
     "synthetic_batch",
     "unigram_entropy",
+    "validate_data",
 ]

@@ -74,84 +74,20 @@ from absl import flags
 from k3jax import paths
 from k3jax.data import sources as sources_lib
 from k3jax.data import images as images_lib
+from k3jax.data.config import check_config
 from k3jax.data.corpus import default_documents
 from k3jax.data.images import MediaSpec
 from k3jax import media as k3media
 from k3jax.data.pieces import DocumentPieces, Subset, TokenDocuments
 from k3jax.data.shards import TokenShards
-from k3jax.data.tokenizer import Tokenizer, check_tokenizer_config, make_tokenizer, tokenizer_config
+from k3jax.data.tokenizer import Tokenizer, make_tokenizer
 
-# "default": the embedded corpus (k3jax/data/corpus.py); "files": config.data.sources.
-SOURCES = ("default", "files", "none")   # "none": no text (data.images must be on)
-# "first_fit": whole pieces, first-fit into local_batch rows, the rest padded.
-# "concat_then_split": pieces laid end to end, cut every seq_len; no padding, but a
-#   piece cut at a row end continues in the next row as a new segment (positions from 0).
-PACKINGS = ("first_fit", "concat_then_split")
 FEATURES = ("inputs", "targets", "segment_ids", "positions", "weights")
 # With data.images: the PackedMedia of each row (module docstring), as "media_" + field.
 MEDIA_FEATURES = ("media_patches", "media_segment_ids", "media_coords", "media_grid_thw",
                   "media_pool_ids")
 # data.worker_count > 0: consecutive pieces sent from a worker process in one transfer.
 _PIECES_PER_CHUNK = 32
-
-
-def data_config() -> ml_collections.ConfigDict:
-  """Defaults of the `data` section of an experiment config.
-
-  Example (two JSONL corpora 3:1, Kimi's tokenizer):
-
-    c.data.source = "files"
-    c.data.sources = [
-        dict(paths="/data/web/*.jsonl.gz", format="jsonl", weight=3.0),
-        dict(paths=["/data/code/*.parquet"], format="parquet", column="content"),
-    ]
-    c.data.tokenizer.kind, c.data.tokenizer.path = "tiktoken", "/models/kimi/tiktoken.model"
-  """
-  c = ml_collections.ConfigDict()
-  c.source = "default"      # one of SOURCES
-  c.packing = "first_fit"   # one of PACKINGS
-  c.sources = ()            # source="files": dicts, fields in k3jax/data/sources.py
-  # source="files": document i of a source without validation_paths is held out for the
-  # "validation" split when i % heldout_every == 0; 0 = hold out nothing.
-  c.heldout_every = 20
-  c.tokenizer = tokenizer_config()
-  # Processes reading the training split's pieces ahead of packing (0: in this process);
-  # batches and iterator states do not depend on it. Each keeps worker_buffer_size chunks
-  # of pieces ready. The validation split (a few batches per evaluation) stays in-process.
-  c.worker_count = 0
-  c.worker_buffer_size = 2
-  c.images = images_lib.images_config()   # image-text examples (k3jax/data/images.py)
-  return c
-
-
-def check_config(cfg: ml_collections.ConfigDict) -> None:
-  """Raise ValueError naming the first bad field of the `data` section (reads no file)."""
-  if cfg.source not in SOURCES:
-    raise ValueError(f"config.data.source must be one of {SOURCES}, got {cfg.source!r}")
-  if cfg.packing not in PACKINGS:
-    raise ValueError(f"config.data.packing must be one of {PACKINGS}, got {cfg.packing!r}")
-  check_tokenizer_config(cfg.tokenizer)
-  if not isinstance(cfg.heldout_every, int) or cfg.heldout_every < 0:
-    raise ValueError(f"config.data.heldout_every must be an integer >= 0, "
-                     f"got {cfg.heldout_every!r}")
-  for field, low in (("worker_count", 0), ("worker_buffer_size", 1)):
-    value = cfg.get(field)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-      raise ValueError(f"config.data.{field} must be an integer >= {low}, got {value!r}")
-  images_lib.check_images_config(cfg.images)
-  if cfg.source == "none" and cfg.images.source == "none":
-    raise ValueError("config.data.source: 'none' (no text) needs config.data.images.source")
-  if cfg.images.source != "none" and cfg.packing != "first_fit":
-    raise ValueError(f"config.data.packing: image-text examples need 'first_fit' (an example "
-                     f"is never cut), got {cfg.packing!r}")
-  if cfg.source == "files" and not cfg.sources:
-    raise ValueError("config.data.sources: source='files' needs at least one entry "
-                     "(dict(paths=..., format=...))")
-  if cfg.source != "files" and cfg.sources:
-    raise ValueError(f"config.data.sources is set but config.data.source is {cfg.source!r}; "
-                     f"set it to 'files'")
-  for i, entry in enumerate(cfg.sources):
-    sources_lib.source_spec(entry, i)
 
 
 def _split_ids(n: int, split: str, every: int) -> np.ndarray:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.model.axes import constrain
+from k3jax.axes import constrain
 from k3jax.model.layers import ones, param, zeros
 
 SBTE = ("sources", "batch", "seq", "embed")

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.model import axes
+from k3jax import axes
 
 
 def lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax.numpy as jnp
 
-from k3jax.model import axes
+from k3jax import axes
 from k3jax.model.moe_dispatch import (batched_glu_experts, capacity_moe, dropless_moe,
                                       ragged_glu_experts)
 

@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.axes import constrain
 from k3jax.media import PackedMedia
 from k3jax.model import attn_res, embedding, layers
-from k3jax.model.axes import constrain
 from k3jax.model.kda import KDA
-from k3jax.model.latent_moe import LatentMoE, update_bias
+from k3jax.model.latent_moe import LatentMoE
 from k3jax.model.mla import MLA
 from k3jax.model.situ_glu import GLUMLP
 from k3jax.model.vision import VisionTower, insert_features
@@ -238,8 +238,9 @@ class K3Model(nnx.Module):
 
     aux mirrors the layer groups: {"prefix": [...], "cycles": [...], "suffix": [...]}, one
     dict per layer (stacked on a leading cycle axis for the scanned cycles): "moe" (the
-    Quantile-Balancing `counts`, per-expert `load`, `dropped`) on MoE layers and
-    "logit_max" (per head) on MLA layers. `update_balance` and `qk_clip` consume it.
+    Quantile-Balancing `counts`, per-expert `load`, `dropped`, the auxiliary loss
+    `aux_loss`) on MoE layers and "logit_max" (per head) on MLA layers. `update_balance`,
+    `qk_clip` and `balance_loss` consume it.
     """
     valid = segment_ids > 0
     with jax.named_scope("embed"):
@@ -324,16 +325,31 @@ class K3Model(nnx.Module):
       for i, layer in enumerate(layers_):
         yield group, i, layer
 
+  def balance_loss(self, aux, tokens: jax.Array) -> jax.Array | None:
+    """The auxiliary balancing loss to add to the LM loss, None unless moe.balancing is
+    "aux_loss": moe.aux_loss_weight times the mean over MoE layers of each layer's
+    `balancing.switch_loss`, from a forward's aux. tokens: the valid tokens of the whole
+    batch; a microbatch's forward gives its share of the batch's token-weighted mean."""
+    terms, weight = [], 0.0
+    for group, i, layer in self.all_layers():
+      if layer.is_moe and layer.ffn.balancing == "aux_loss":
+        terms.append(jnp.ravel(aux[group][i]["moe"]["aux_loss"]))  # [cycles] when scanned
+        weight = layer.ffn.aux_loss_weight
+    if not terms:
+      return None
+    return weight * jnp.mean(jnp.concatenate(terms)) / tokens
+
   def update_balance(self, aux) -> dict[str, jax.Array]:
-    """After an optimizer step: solve every MoE layer's Quantile-Balancing bias from the
-    step's histograms (a no-op for moe.balancing == "none") and return load statistics:
-    the worst and the average over layers of max/mean expert load, and dropped tokens."""
+    """After an optimizer step: update every MoE layer's balancing bias from the step's
+    summed aux (`LatentMoE.update_balance`: Quantile Balancing's solve, the aux-free sign
+    step, or nothing) and return load statistics: the worst and the average over layers
+    of max/mean expert load, and dropped tokens."""
     ratios, dropped = [], 0
     for group, i, layer in self.all_layers():
       if not layer.is_moe:
         continue
       moe_aux = aux[group][i]["moe"]
-      update_bias(layer.ffn, moe_aux["counts"])
+      layer.ffn.update_balance(moe_aux)
       load = moe_aux["load"].reshape(-1, layer.ffn.num_experts).astype(jnp.float32)
       ratios.append(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
       dropped = dropped + jnp.sum(moe_aux["dropped"])

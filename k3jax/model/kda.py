@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax import axes
+from k3jax.axes import constrain
 from k3jax.model import layers
-from k3jax.model import axes
-from k3jax.model.axes import constrain
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import short_conv as conv_ops
 

@@ -1,7 +1,7 @@
 """Stable LatentMoE (K3_SPEC 4): routed SiTU-GLU experts in a latent, shared experts at full width.
 
   s = sigmoid(x W_r)                      [B, T, E]  fp32 router scores
-  T = topk(s + b, k),  p_j = s_j / sum_T s           b: Quantile Balancing bias (selection only)
+  T = topk(s + b, k),  p_j = s_j / sum_T s           b: the balancing bias (selection only)
   z = x W_down                            [B, T, latent], projected BEFORE dispatch
   u = sum_{j in T} p_j * routed_scaling * E_j(z)     combined in the latent (fp32)
   y = sum_shared GLU(x) + RMSNorm(u) W_up [B, T, d]
@@ -19,16 +19,15 @@ A dispatch maps z and the routing to u, chosen by `moe.dispatch` (`moe_dispatch.
       the `expert` axis and an explicit all-to-all of the latent buffers; the same result;
   "expert_parallel_dropless": "dropless" the same way, the sorted rows exchanged with
       ragged all-to-alls (TPU and GPU only); per data-parallel device when mesh.expert is 1;
-  "auto": "expert_parallel_dropless" when the program is compiled for TPU, or for GPU
-      where the experts' shapes fit the grouped-matmul kernel and no device axis splits
-      the experts; else "capacity"
-      (`moe_dispatch.resolve_dispatch`; the platform of the mesh installed by
-      `axes.use_rules`, else JAX's default backend: a compile-only TPU mesh on a CPU host,
-      as in `k3jax.aot`, gets the TPU choice).
+  "auto": one of the above by the rule of `moe_dispatch.resolve_dispatch`, for the
+      platform of the mesh installed by `axes.use_rules`, else JAX's default backend (a
+      compile-only TPU mesh on a CPU host, as in `k3jax.aot`, gets the TPU choice).
 
 The bias is a `BalanceBias` variable, not a parameter: the train step sums the returned
-histograms `aux["counts"]` over microbatches (and data-parallel devices) and calls
-`update_bias` once per step.
+aux over microbatches (and data-parallel devices) and calls `update_balance` once per step.
+It solves the bias from the histograms `aux["counts"]` (moe.balancing "quantile",
+`update_bias`) or moves it a sign step against `aux["load"]` ("aux_free"); "aux_loss"
+returns its loss in `aux["aux_loss"]` (`balancing.py` describes the balancers).
 """
 
 from __future__ import annotations
@@ -41,9 +40,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from k3jax.model import axes, mxfp4
+from k3jax import axes
+from k3jax.axes import constrain
+from k3jax.model import balancing, mxfp4
 from k3jax.model import quantile_balancing as qb
-from k3jax.model.axes import constrain
 from k3jax.model.expert_parallel import (expert_parallel_dropless_moe, expert_parallel_moe,
                                          experts_split)
 from k3jax.model.layers import Dense, RMSNorm, normal, param
@@ -74,11 +74,14 @@ class LatentMoE(nnx.Module):
   """x [B, T, d], valid [B, T] bool or None -> (y [B, T, d], aux).
 
   aux = {"counts": int32 [E, balance_bins], the Quantile-Balancing histogram of this call
-                   (valid tokens only; zeros when moe.balancing == "none"),
+                   (valid tokens only; zeros unless moe.balancing == "quantile"),
          "load":   int32 [E], valid (token, slot) pairs routed to each expert,
          "dropped": int32 [], valid pairs that found their expert's buffer full
-                    (always 0 for the dropless dispatch)}.
-  Both are sums over tokens: add them across microbatches and devices.
+                    (always 0 for the dropless dispatch),
+         "aux_loss": fp32 [], the valid tokens times `balancing.switch_loss` of this call's
+                     routing (0 unless moe.balancing == "aux_loss"), differentiable}.
+  All are sums over tokens: add them across microbatches and devices (the summed
+  "aux_loss" over the summed tokens is the calls' token-weighted mean loss).
   """
 
   def __init__(self, cfg_model, *, rngs: nnx.Rngs):
@@ -88,9 +91,12 @@ class LatentMoE(nnx.Module):
     pdt = jnp.dtype(cfg_model.param_dtype)
     self.num_experts, self.top_k = n_exp, e.top_k
     self.routed_scaling = float(e.routed_scaling)
-    if e.balancing not in ("quantile", "none"):
-      raise ValueError(f"moe.balancing must be 'quantile' or 'none', got {e.balancing!r}")
+    if e.balancing not in balancing.BALANCINGS:
+      raise ValueError(f"moe.balancing must be one of {balancing.BALANCINGS}, "
+                       f"got {e.balancing!r}")
     self.balancing, self.balance_bins = e.balancing, e.balance_bins
+    self.bias_update_speed = float(e.bias_update_speed)
+    self.aux_loss_weight = float(e.aux_loss_weight)
     self.balance_cutoff = e.balance_cutoff
     if e.dispatch not in DISPATCHES:
       raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {e.dispatch!r}")
@@ -105,7 +111,9 @@ class LatentMoE(nnx.Module):
     self.bias = qb.BalanceBias(jnp.zeros((n_exp,), jnp.float32), out_sharding=("experts",),
                                eager_sharding=False)
     # each used once per forward, cast to the compute dtype (the dispatches' experts fns)
-    expert_matrix = dict(muon="matrix", muon_roles=("expert", "in", "out"), compute_dtype=dtype)
+    expert_matrix = dict(muon="matrix", muon_roles=("expert", "in", "out"), compute_dtype=dtype,
+                         compute_quant=None if e.expert_quant == "none" else e.expert_quant)
+    self.weights_prepared = False  # True: the step quantized and cast them (cast_params_once)
     self.w_down = Dense(d, lat, ("embed", "latent"), rngs=rngs, dtype=dtype, param_dtype=pdt)
     self.w_g = param(rngs, normal(lat ** -0.5), (n_exp, lat, hid), ("experts", "latent", "mlp"),
                      pdt, **expert_matrix)
@@ -122,9 +130,10 @@ class LatentMoE(nnx.Module):
 
   def expert_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
     """w_g, w_u [E, latent, hidden], w_d [E, hidden, latent]; on the MXFP4 grid (groups
-    along each matrix's input axis) with `moe.expert_quant="mxfp4"`."""
+    along each matrix's input axis) with `moe.expert_quant="mxfp4"`, unless the train step
+    already put them there (`weights_prepared`)."""
     ws = self.w_g[...], self.w_u[...], self.w_d[...]
-    if self.expert_quant == "mxfp4":
+    if self.expert_quant == "mxfp4" and not self.weights_prepared:
       ws = tuple(mxfp4.fake_quantize(w, axis=-2) for w in ws)
     return ws
 
@@ -137,7 +146,8 @@ class LatentMoE(nnx.Module):
     quantile = self.balancing == "quantile"
     with jax.named_scope("router"):
       scores = jax.nn.sigmoid(self.router(x.astype(jnp.float32))).reshape(n, n_exp)  # [N, E]
-      bias = self.bias[...] if quantile else jnp.zeros((n_exp,), jnp.float32)
+      biased = self.balancing in ("quantile", "aux_free")
+      bias = self.bias[...] if biased else jnp.zeros((n_exp,), jnp.float32)
       idx, weights, alpha = route_per_device(scores, bias, k)  # [N, k], [N, k], [N]
     x = x.astype(self.dtype)
 
@@ -172,7 +182,21 @@ class LatentMoE(nnx.Module):
       else:
         counts = jnp.zeros((n_exp, self.balance_bins), jnp.int32)
       load = qb.load_stats(idx, n_exp, flat_valid)["load"]
-    return y, {"counts": counts, "load": load, "dropped": dropped}
+      aux_loss = jnp.zeros((), jnp.float32)
+      if self.balancing == "aux_loss":
+        tokens = jnp.sum(flat_valid, dtype=jnp.float32)
+        aux_loss = tokens * balancing.switch_loss(scores, idx, flat_valid)
+    return y, {"counts": counts, "load": load, "dropped": dropped, "aux_loss": aux_loss}
+
+  def update_balance(self, moe_aux: dict):
+    """After an optimizer step, the bias for the next from the step's summed aux, in place:
+    "quantile" solves it from the histograms (`update_bias`), "aux_free" moves it by
+    `balancing.sign_step` against the loads; the other balancings keep it (zero)."""
+    if self.balancing == "quantile":
+      update_bias(self, moe_aux["counts"])
+    elif self.balancing == "aux_free":
+      self.bias[...] = balancing.sign_step(self.bias[...], moe_aux["load"],
+                                           self.bias_update_speed)
 
   @jax.named_scope("dispatch")
   def _dispatch(self, dispatch, platform, z, idx, w, experts_w, act, flat_valid):

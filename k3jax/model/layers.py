@@ -13,9 +13,11 @@ optimizer reads instead of matching names:
 Axes a `nnx.vmap` stacks on later (logical name "layers") carry no role: each layer is
 its own block.
 
-A parameter may also name its `compute_dtype`: every use casts it to that dtype first, once
-per forward, and its gradient reaches it only through that cast. The train step may then
-cast it once per step instead (`train.cast_params_once`) and get the same gradients.
+A parameter may also name its `compute_dtype`, and its `compute_quant` ("mxfp4": values
+on the MXFP4 grid, straight-through gradients): every use first quantizes it, then casts it
+to that dtype, once per forward, and its gradient reaches it only through those. The train
+step may then do both once per step instead (`train.cast_params_once`, `weights_prepared`
+on the modules) and get the same gradients.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.model.axes import AxisNames
+from k3jax.axes import AxisNames
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
@@ -38,12 +40,13 @@ MUON_ROLES = ("in", "out", "expert", "head")
 
 def param(rngs: nnx.Rngs | None, init: Initializer, shape: Sequence[int], axes: AxisNames,
           dtype=jnp.float32, *, muon: str | None = None,
-          muon_roles: Sequence[str] | None = None, compute_dtype=None) -> nnx.Param:
+          muon_roles: Sequence[str] | None = None, compute_dtype=None,
+          compute_quant: str | None = None) -> nnx.Param:
   """An `nnx.Param` of `shape` whose logical axis names are `axes`.
 
   muon / muon_roles: the optimizer metadata of the module docstring (both or neither).
   compute_dtype: the dtype every use casts it to (module docstring); None where it differs
-  from dtype nowhere or not always.
+  from dtype nowhere or not always. compute_quant: "mxfp4" where every use quantizes it.
   """
   if len(axes) != len(shape):
     raise ValueError(f"param: axes {axes} do not match shape {tuple(shape)}")
@@ -58,6 +61,8 @@ def param(rngs: nnx.Rngs | None, init: Initializer, shape: Sequence[int], axes: 
     meta = dict(muon=muon, muon_roles=roles)
   if compute_dtype is not None and jnp.dtype(compute_dtype) != jnp.dtype(dtype):
     meta["compute_dtype"] = jnp.dtype(compute_dtype).name
+  if compute_quant is not None:
+    meta["compute_quant"] = compute_quant
   key = rngs.params() if rngs is not None else jax.random.key(0)
   return nnx.Param(init(key, tuple(shape), dtype), out_sharding=tuple(axes),
                    eager_sharding=False, **meta)

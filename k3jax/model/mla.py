@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.model import axes
-from k3jax.model.axes import constrain
+from k3jax import axes
+from k3jax.axes import constrain
 from k3jax.model.layers import Dense, RMSNorm
 from pallas_kernels import attention as attention_ops
 from pallas_kernels.attention import attention_mask  # noqa: F401  (re-exported: the mask)

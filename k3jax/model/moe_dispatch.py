@@ -11,19 +11,8 @@ Both take the expert computation as a function (`ExpertsFn`, `BufferExpertsFn`):
 piece that `expert_parallel` wraps in an all-to-all. Shapes: N tokens (rows * T, row-major),
 k slots per token, E experts, L latent width, H expert hidden width, C capacity.
 
-"auto" (`resolve_dispatch`) picks per platform: on TPU the dropless dispatch, where XLA
-compiles `ragged_dot` to grouped-matmul kernels (`ragged-dot-*` TPU custom calls;
-tests/test_aot.py compiles the layer for v5p), in its per-device form
-"expert_parallel_dropless" (under jit alone XLA runs the sorted rows of "dropless"
-unpartitioned: every data-parallel device computes every token's experts); the same on GPU
-where the Mosaic GPU grouped matmuls take the experts' shapes (`grouped_kernel_fits`:
-k3_small's train step is faster than with capacity, benchmarks/results/train_step.md) and
-every device holds all experts; "capacity" on CPU, where `ragged_dot` runs every expert
-densely, and on GPU where the kernel's tiles do not fit (XLA's `ragged_dot` there runs far
-below the matmul rate: benchmarks/results/moe.md) or the experts are split over devices:
-XLA's GPU ragged all-to-all is unmeasured here and has open problems in JAX 0.11
-(openxla/xla#33386: a small fraction of NVLink bandwidth on one host; #47283: crashes above
-32 ranks).
+"auto" is one of the other dispatches, picked per platform and mesh by the rule that
+`resolve_dispatch` states.
 """
 
 from __future__ import annotations
@@ -45,11 +34,25 @@ BufferExpertsFn = Callable[[jax.Array], jax.Array]
 def resolve_dispatch(dispatch: str, platform: str, grouped_kernel: bool = False,
                      experts_split: bool = False) -> str:
   """`dispatch` (one of DISPATCHES) with "auto" made concrete for `platform`, what the
-  program is compiled for ("tpu", "gpu", "cpu": `pallas_kernels.platform.target_platform`):
-  "expert_parallel_dropless" (the dropless dispatch per device) on TPU, and on GPU where
-  the experts' grouped matmuls run as the kernel (grouped_kernel: `grouped_kernel_fits`)
-  and each device holds every expert (not experts_split: no ragged all-to-all); "capacity"
-  elsewhere. The other names are returned as they are."""
+  program is compiled for ("tpu", "gpu", "cpu": `pallas_kernels.platform.target_platform`);
+  the other names are returned as they are. The rule of "auto":
+
+  - TPU: "expert_parallel_dropless", the dropless dispatch per device. XLA compiles
+    `ragged_dot` to grouped-matmul kernels there (`ragged-dot-*` TPU custom calls;
+    tests/test_aot.py compiles the layer for v5p), and under jit alone it would run the
+    sorted rows of plain "dropless" unpartitioned: every data-parallel device would compute
+    every token's experts.
+  - GPU, where the experts' grouped matmuls run as the Mosaic GPU kernel (grouped_kernel:
+    `grouped_kernel_fits`) and every device holds all experts (not experts_split): the
+    same (k3_small's train step is faster than with capacity,
+    benchmarks/results/train_step.md).
+  - Elsewhere "capacity": on CPU, where `ragged_dot` runs every expert densely; on GPU
+    where the kernel's tiles do not fit (XLA's `ragged_dot` there runs far below the matmul
+    rate: benchmarks/results/moe.md) or the experts are split over devices: XLA's GPU
+    ragged all-to-all is unmeasured here and has open problems in JAX 0.11
+    (openxla/xla#33386: a small fraction of NVLink bandwidth on one host; #47283: crashes
+    above 32 ranks).
+  """
   if dispatch not in DISPATCHES:
     raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {dispatch!r}")
   if dispatch != "auto":

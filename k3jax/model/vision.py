@@ -36,9 +36,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax import axes
+from k3jax.axes import constrain
 from k3jax.media import PackedMedia
-from k3jax.model import axes, layers
-from k3jax.model.axes import constrain
+from k3jax.model import layers
 from k3jax.model.layers import Dense, RMSNorm
 from k3jax.model.vision_pos import grid_embedding, rope_2d, sincos_embedding
 from pallas_kernels import attention as attention_ops

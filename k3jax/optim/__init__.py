@@ -1,5 +1,6 @@
 """Optimizers and learning-rate schedules."""
 
+from k3jax.axes import STACKED_AXES
 from k3jax.optim.factory import (
     OPTIMIZERS,
     describe,
@@ -9,11 +10,11 @@ from k3jax.optim.factory import (
     weight_decay_mask,
 )
 from k3jax.optim.muon import BlockLayout, block_layouts, muon_labels, scale_by_muon
-from k3jax.model.axes import STACKED_AXES
-from k3jax.optim.schedule import warmup_cosine
+from k3jax.optim.schedule import ScheduleParams, warmup_cosine, with_schedule
 
 __all__ = [
     "OPTIMIZERS",
+    "ScheduleParams",
     "STACKED_AXES",
     "BlockLayout",
     "block_layouts",
@@ -25,4 +26,5 @@ __all__ = [
     "scale_by_muon",
     "warmup_cosine",
     "weight_decay_mask",
+    "with_schedule",
 ]

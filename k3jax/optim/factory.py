@@ -37,8 +37,8 @@ import optax
 from flax import nnx
 
 from k3jax.optim import muon as muon_lib
-from k3jax.model.axes import STACKED_AXES, axis_names, is_variable
-from k3jax.optim.schedule import warmup_cosine
+from k3jax.axes import STACKED_AXES, axis_names, is_variable
+from k3jax.optim.schedule import ScheduleParams, scheduled, warmup_cosine
 
 DecayMask = Any   # a pytree of bools, or a callable params -> pytree of bools
 Builder = Callable[[ml_collections.ConfigDict, optax.Schedule, Any, DecayMask],
@@ -114,7 +114,8 @@ def make_optimizer(cfg: ml_collections.ConfigDict, params: Any = None, *,
 
   The transformation clips the global gradient norm to `cfg.train.grad_clip_norm`
   (0 disables clipping), then applies the update rule `cfg.optimizer.name` with the
-  learning rate `schedule(count)`.
+  learning rate `schedule(count)`, whose numbers live in the state (`schedule.scheduled`:
+  `optim.with_schedule` sets them for another config without recompiling).
 
   params: `nnx.state(model, nnx.Param)` (abstract is enough): the rules read block layouts
     and the weight-decay mask from its metadata. The transformation then acts on
@@ -127,17 +128,20 @@ def make_optimizer(cfg: ml_collections.ConfigDict, params: Any = None, *,
   if name not in OPTIMIZERS:
     raise ValueError(f"config.optimizer.name: unknown optimizer {name!r} "
                      f"(known: {', '.join(sorted(OPTIMIZERS))})")
-  schedule = make_schedule(cfg)
   if decay_mask is None:
     decay_mask = ndim_decay_mask if params is None else nnx.as_pure(weight_decay_mask(params))
-  rule = OPTIMIZERS[name](cfg, schedule, params, decay_mask, mesh=mesh,
-                          param_specs=param_specs)
   clip = cfg.train.grad_clip_norm
   if clip < 0:
     raise ValueError(f"config.train.grad_clip_norm: must be >= 0, got {clip}")
-  if clip > 0:
-    rule = optax.chain(optax.clip_by_global_norm(clip), rule)
-  return rule, schedule
+
+  def build(schedule):
+    rule = OPTIMIZERS[name](cfg, schedule, params, decay_mask, mesh=mesh,
+                            param_specs=param_specs)
+    return optax.chain(optax.clip_by_global_norm(clip), rule) if clip > 0 else rule
+
+  schedule = make_schedule(cfg)   # checks the numbers
+  build(schedule)                  # and the rule its arguments, now rather than at init
+  return scheduled(build, ScheduleParams.of(cfg)), schedule
 
 
 def describe(cfg: ml_collections.ConfigDict, params: Any) -> str:

@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from k3jax.model.axes import STACKED_AXES, axis_names, is_variable, spec_axes
+from k3jax.axes import STACKED_AXES, axis_names, is_variable, spec_axes
 from pallas_kernels.newton_schulz import newton_schulz
 
 @dataclasses.dataclass(frozen=True)

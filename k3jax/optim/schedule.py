@@ -1,15 +1,22 @@
-"""Learning-rate schedules: step -> learning rate, traceable under jit."""
+"""Learning-rate schedules: step -> learning rate, traceable under jit.
+
+The schedule's numbers (peak rate, warmup, length, floor) are values of the optimizer
+state, not constants of the compiled step (`scheduled`): a run resumed with more steps or
+a sweep arm with another learning rate runs the program already compiled (and cached).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
 
-def warmup_cosine(peak: float, warmup_steps: int, total_steps: int,
-                  min_ratio: float) -> optax.Schedule:
+def warmup_cosine(peak, warmup_steps, total_steps, min_ratio) -> optax.Schedule:
   """Linear warmup from 0 to `peak`, then cosine decay to `peak * min_ratio`.
 
     lr(s) = peak * s / warmup                                     for s < warmup
@@ -18,19 +25,67 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int,
 
   so lr(0) = 0 (with warmup), lr(warmup) = peak, lr(total) = peak * min_ratio, and the
   rate stays at peak * min_ratio after `total_steps`. `step` is the number of updates
-  already applied (optax's count), so the first update uses lr(0).
+  already applied (optax's count), so the first update uses lr(0). The arguments may be
+  traced scalars; Python numbers are checked (0 <= warmup_steps <= total_steps).
   """
-  if warmup_steps < 0 or total_steps < warmup_steps:
+  if isinstance(warmup_steps, int) and isinstance(total_steps, int) and (
+      warmup_steps < 0 or total_steps < warmup_steps):
     raise ValueError(f"warmup_cosine: need 0 <= warmup_steps={warmup_steps} "
                      f"<= total_steps={total_steps}")
-  warmup = float(warmup_steps)
-  decay = float(max(total_steps - warmup_steps, 1))
+  warmup = jnp.asarray(warmup_steps, jnp.float32)
+  decay = jnp.maximum(jnp.asarray(total_steps, jnp.float32) - warmup, 1.0)
 
   def schedule(step):
     s = jnp.asarray(step, jnp.float32)
     frac = jnp.clip((s - warmup) / decay, 0.0, 1.0)
     cosine = min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * frac))
-    ramp = s / max(warmup, 1.0)
+    ramp = s / jnp.maximum(warmup, 1.0)
     return peak * jnp.where(s < warmup, ramp, cosine)
 
   return schedule
+
+
+class ScheduleParams(NamedTuple):
+  """warmup_cosine's numbers as fp32 scalars (state of `scheduled`)."""
+  peak: Any
+  warmup_steps: Any
+  total_steps: Any
+  min_ratio: Any
+
+  @classmethod
+  def of(cls, cfg) -> ScheduleParams:
+    """From `cfg.optimizer` (learning_rate, warmup_steps, min_lr_ratio) and `cfg.train.steps`."""
+    o = cfg.optimizer
+    return cls(*(jnp.asarray(x, jnp.float32) for x in
+                 (o.learning_rate, o.warmup_steps, cfg.train.steps, o.min_lr_ratio)))
+
+  def schedule(self) -> optax.Schedule:
+    return warmup_cosine(*self)
+
+
+class ScheduledState(NamedTuple):
+  schedule: ScheduleParams
+  inner: Any
+
+
+def scheduled(build: Callable[[optax.Schedule], optax.GradientTransformation],
+              params: ScheduleParams) -> optax.GradientTransformation:
+  """The transformation `build(schedule)` with its schedule's numbers in the state:
+  `init` stores `params`, each `update` rebuilds the transformation around the stored
+  ones. `with_schedule` replaces them in an existing state (e.g. a restored one)."""
+  def init(p):
+    return ScheduledState(params, build(params.schedule()).init(p))
+
+  def update(grads, state, p=None):
+    updates, inner = build(state.schedule.schedule()).update(grads, state.inner, p)
+    return updates, ScheduledState(state.schedule, inner)
+
+  return optax.GradientTransformation(init, update)
+
+
+def with_schedule(opt_state: ScheduledState, params: ScheduleParams) -> ScheduledState:
+  """opt_state with its schedule's numbers replaced by `params`, each placed as the one it
+  replaces (device, sharding)."""
+  new = [jax.device_put(x, getattr(old, "sharding", None))
+         for x, old in zip(params, opt_state.schedule)]
+  return opt_state._replace(schedule=ScheduleParams(*new))

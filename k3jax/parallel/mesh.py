@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from k3jax.config import ConfigError
+from k3jax.config_error import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 

@@ -1,6 +1,6 @@
 """Logical-axis rules and the shardings of parameters, optimizer state and batches.
 
-The model names axes (`k3jax.model.axes`); RULES map them to mesh axes. A mesh axis is
+The model names axes (`k3jax.axes`); RULES map them to mesh axes. A mesh axis is
 used once per array (first come, first served), so an activation [batch, seq, embed]
 puts fsdp on `batch` while a weight [embed, mlp] puts it on `embed`.
 """
@@ -14,8 +14,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from k3jax.config import EXPERT_SPLITS, ConfigError
-from k3jax.model.axes import axis_names, is_variable, logical_to_spec, spec_axes
+from k3jax.axes import axis_names, is_variable, logical_to_spec, spec_axes
+from k3jax.config_error import ConfigError
+from k3jax.parallel.config import EXPERT_SPLITS
 
 def rules(expert_splits: str = "batch") -> tuple:
   """The logical-axis rules. `expert_splits` (config.mesh.expert_splits): the token

@@ -1,0 +1,292 @@
+"""The `model` section of the experiment config: its fields with the full K3 model's values
+(K3_SPEC section 1), `model_config()`, and `validate_model`, which names the first
+impossible setting of the section. The checks that join it to other sections (the mesh's
+ways, the data's images) are `k3jax.config.validate`'s."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from k3jax.config_error import check
+from k3jax.model.balancing import BALANCINGS
+from k3jax.model.moe_dispatch import DISPATCHES
+from pallas_kernels.attention import BACKENDS as ATTENTION_BACKENDS
+from pallas_kernels.grouped_matmul import BACKENDS as GMM_BACKENDS
+from pallas_kernels.kda import BACKENDS as KDA_BACKENDS
+from pallas_kernels.short_conv import BACKENDS as CONV_BACKENDS
+
+REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16")
+MLA_FORMS = ("expanded", "absorbed")  # model.mla.form
+EXPERT_QUANTS = ("none", "mxfp4")  # model.moe.expert_quant
+
+
+def model_config() -> ml_collections.ConfigDict:
+  m = ml_collections.ConfigDict()
+  m.vocab_size = 163_840
+  m.d_model = 7_168
+  m.num_layers = 93
+  m.mla_every = 4        # 1-based layers 4, 8, ... are MLA; the rest KDA
+  m.final_mla = True     # the last layer is MLA too, so the last mixer is global
+  m.dense_layers = 1     # the first N layers use the dense FFN, the rest LatentMoE
+  m.norm_eps = 1e-5       # every RMSNorm and the AttnRes key norms (the release's value)
+  m.embed_init_std = 1.0
+  m.dtype = "bfloat16"   # compute dtype; parameters are stored in param_dtype
+  m.param_dtype = "float32"
+  m.remat = "full"       # one of REMAT_POLICIES, applied per scanned cycle
+  m.remat_scope = "cycle"  # "cycle": one remat region per scanned cycle; "layer": also one
+                           # per layer inside it (the backward holds one layer's activations,
+                           # not a cycle's, for one more forward of every scanned layer)
+  m.scan_layers = True
+  m.kda = _kda()
+  m.mla = _mla()
+  f = m.ffn = ml_collections.ConfigDict()
+  f.hidden_dim = 33_792  # dense FFN of the first `dense_layers` layers
+  f.activation = "situ_glu"  # or "swiglu" (ablation)
+  f.situ_b1 = 4.0
+  f.situ_b2 = 25.0
+  m.moe = _moe()
+  r = m.attn_res = ml_collections.ConfigDict()
+  r.enabled = True       # False: the plain residual stream
+  r.block_layers = 12
+  # What the scan over cycles saves for the backward: "buffer" (jax.lax.scan: every cycle's
+  # whole source buffer [slots, B, T, d]) or "partial" (`attn_res.scan`: the cycle's partial
+  # slot [B, T, d]; the backward rebuilds the rest from the final sources)
+  r.scan_saves = "buffer"
+  m.vision = _vision()
+  return m
+
+
+def _kda() -> ml_collections.ConfigDict:
+  k = ml_collections.ConfigDict()
+  k.num_heads = 96
+  k.head_dim = 128       # d_k = d_v
+  k.conv_size = 4
+  k.gate_rank = 128      # low-rank decay projection d -> rank -> heads*head_dim
+  k.gate = "bounded"     # "bounded": lb*sigmoid(exp(A_log)(f+dt_bias)); "softplus": Kimi Linear
+  k.gate_lower_bound = -5.0
+  # Tokens per chunk of the chunked form; 0: the backend's default on the platform (the
+  # GPU kernel 16, else 64: pallas_kernels.kda.default_chunk_size). Rounding aside, the
+  # outputs do not depend on it.
+  k.chunk_size = 0
+  # pallas_kernels.kda backend: chunk (pure JAX), naive, kernel (Pallas), interpret, auto
+  # (kernel on TPU and GPU, chunk on CPU)
+  k.backend = "auto"
+  # pallas_kernels.short_conv backend (the conv with its SiLU and q/k's L2 norm): reference
+  # (plain JAX), kernel (Pallas Triton, GPU), interpret, auto (kernel on GPU, else reference)
+  k.conv_backend = "auto"
+  return k
+
+
+def _mla() -> ml_collections.ConfigDict:
+  a = ml_collections.ConfigDict()
+  a.num_heads = 96
+  a.q_lora_rank = 1_536
+  a.kv_lora_rank = 512
+  a.qk_nope_dim = 128
+  a.qk_rope_dim = 64     # NoPE: the "rope" slot is never rotated; one key shared by all heads
+  a.v_head_dim = 128
+  # pallas_kernels.attention backend: "dense" ([B, H, T, T] fp32 scores), "flash" (the
+  # platform's flash kernel; interpret mode on CPU) or "auto" (flash on TPU and GPU, dense
+  # on CPU). Dense by default: splash's Mosaic compile makes a micro model's TPU train
+  # step compile take over 14 CPU-minutes here; configs for accelerators choose "auto".
+  a.attention = "dense"
+  # "expanded": keys and values per head from c_kv (k_nope, v = c_kv W_kvb), as written;
+  # "absorbed": W_kvb folded into the queries and outputs, so attention reads c_kv and the
+  # shared key (kv_lora + rope values a token, one "head") instead of H x (nope + rope + v):
+  # (kv_lora + rope + kv_lora) / (nope + rope + v) times the attention FLOPs, for sequences
+  # whose per-head keys would not fit (long context: each device attends over every position)
+  a.form = "expanded"
+  return a
+
+
+def _moe() -> ml_collections.ConfigDict:
+  e = ml_collections.ConfigDict()
+  e.num_experts = 896
+  e.top_k = 16
+  e.expert_dim = 3_072
+  e.latent_dim = 3_584   # routed experts run in this latent; = d_model for a full-width MoE
+  e.num_shared = 2
+  e.shared_dim = 3_072
+  e.routed_scaling = 1.0
+  e.dispatch = "dropless"    # "dropless" (ragged_dot), "capacity" (fixed buffers),
+                             # "expert_parallel" (capacity, all-to-all of z over mesh.expert),
+                             # "expert_parallel_dropless" (dropless per device, ragged
+                             # all-to-all over mesh.expert; TPU / GPU only)
+                             # or "auto": one of those per platform, by the rule of
+                             # k3jax.model.moe_dispatch.resolve_dispatch
+  e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
+  # The dropless dispatches route a device's tokens this many at a time, each chunk's
+  # expert activations rematerialized (0: all at once); bounds the MoE's memory at long
+  # sequences. The capacity dispatches refuse it (their buffers are per row)
+  e.token_chunk = 0
+  # The dropless dispatches' grouped matmuls (pallas_kernels.grouped_matmul): "auto" (the
+  # Mosaic GPU kernels on GPU, warp-specialized where the shapes fit their tiles; ragged_dot
+  # elsewhere), "reference" (ragged_dot), "kernel" (per-tile), "kernel_ws"
+  e.gmm_backend = "auto"
+  # "mxfp4": the routed experts' weights fake-quantized to the released K3's MXFP4 grid in
+  # the forward, gradients straight through (quantization-aware training; k3jax.model.mxfp4)
+  e.expert_quant = "none"
+  # "quantile" (K3: Quantile Balancing), "aux_free" (DeepSeek-V3's bias sign step),
+  # "aux_loss" (Switch's auxiliary loss) or "none" (k3jax.model.balancing)
+  e.balancing = "quantile"
+  e.bias_update_speed = 1e-3  # "aux_free": each step b_j += speed * sign(mean load - load_j)
+  e.aux_loss_weight = 0.0    # "aux_loss": alpha of the loss added (e.g. 0.01); 0 otherwise
+  e.balance_bins = 1_000
+  # Cutoff r is measured against: "k_plus_1" (spec: the (k+1)-th value for every expert)
+  # or "leave_one_out" (the k-th value for unselected experts; removes the atom at b_j
+  # that lets loads stall below target, see quantile_balancing.solve_bias).
+  e.balance_cutoff = "k_plus_1"
+  return e
+
+
+def _vision() -> ml_collections.ConfigDict:
+  v = ml_collections.ConfigDict()   # MoonViT-V2 (K3_SPEC 6; k3jax.model.vision)
+  v.enabled = False      # True: K3Model builds the tower (fed by data.images)
+  v.num_layers = 27
+  v.width = 1_024
+  v.num_heads = 12
+  v.head_dim = 128       # attention inner width heads * head_dim = 1536
+  v.mlp_dim = 4_096      # GELU-tanh MLP
+  v.patch_size = 14      # pixels per side of a patch: patches of 14 x 14 x 3
+  v.merge = 2            # m x m neighbouring patches are concatenated into one token
+  # video: this many consecutive frames are mean-pooled into one token (the release: 4, the
+  # frames its fixed time table covers, init_pos_emb_time; a chunk's frames are averaged)
+  v.temporal_pool = 4
+  v.pos_grid = 64        # G: the table's base grid, interpolated bilinearly to each image
+  v.max_patches = 16_384  # N: patches in one packed buffer (and most of one image); the data
+                         # pipeline packs one buffer per batch row
+  v.max_media = 64       # images / videos in one packed buffer (one batch row)
+  # The released K3's tower: 2-D RoPE on q and k in every block (head_dim's pairs turn by
+  # column and row in turn, theta 10000); its RMSNorms' eps is torch's default for bf16
+  v.rope_2d = True
+  v.rope_theta = 10_000.0
+  v.norm_eps = 2.0 ** -7  # the blocks' and the final norm's (the projector's: model.norm_eps)
+  # Projector merge**2 * width -> d_model: -1 (the release): Dense to merge**2 * width, GELU,
+  # Dense; > 0: the same this wide; 0: one Dense. projector_norm "post" (the release:
+  # RMSNorm of the output) or "pre" (of the input); projector_act "gelu" (erf) or "gelu_tanh"
+  v.projector_hidden = -1
+  v.projector_norm = "post"
+  v.projector_act = "gelu"
+  v.placeholder_id = 163_605  # the text token the image features replace (Kimi's media placeholder)
+  v.attention = "dense"  # pallas_kernels.attention backend, as model.mla.attention
+  return v
+
+
+def validate_model(m: ml_collections.ConfigDict) -> None:
+  """ConfigError naming the first impossible setting of the `model` section."""
+  check(m.d_model > 0, "model.d_model", f"must be positive, got {m.d_model}")
+  check(m.num_layers >= 1, "model.num_layers", f"must be >= 1, got {m.num_layers}")
+  check(m.mla_every >= 1, "model.mla_every", f"must be >= 1, got {m.mla_every}")
+  check(0 <= m.dense_layers <= m.num_layers, "model.dense_layers",
+        f"must be in [0, num_layers={m.num_layers}], got {m.dense_layers}")
+  check(m.dense_layers <= m.mla_every, "model.dense_layers",
+        f"dense layers must lie in the first hybrid cycle (<= mla_every={m.mla_every})")
+  check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {m.dtype!r}")
+  check(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
+  check(m.remat in REMAT_POLICIES, "model.remat",
+        f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
+  check(m.remat_scope in ("cycle", "layer"), "model.remat_scope",
+        f"must be 'cycle' or 'layer', got {m.remat_scope!r}")
+  _check_kda(m.kda)
+  _check_mla(m)
+  check(m.ffn.activation in ("situ_glu", "swiglu"), "model.ffn.activation",
+        f"must be 'situ_glu' or 'swiglu', got {m.ffn.activation!r}")
+  _check_moe(m)
+  r = m.attn_res
+  check(r.block_layers >= 1, "model.attn_res.block_layers", "must be >= 1")
+  check(r.scan_saves in ("buffer", "partial"), "model.attn_res.scan_saves",
+        f"must be 'buffer' or 'partial', got {r.scan_saves!r}")
+  _check_vision(m)
+
+
+def _check_kda(k: ml_collections.ConfigDict) -> None:
+  check(k.num_heads * k.head_dim > 0, "model.kda", "num_heads and head_dim must be positive")
+  check(k.gate in ("bounded", "softplus"), "model.kda.gate",
+        f"must be 'bounded' or 'softplus', got {k.gate!r}")
+  check(k.gate_lower_bound < 0, "model.kda.gate_lower_bound", "must be negative")
+  check(k.conv_size >= 1, "model.kda.conv_size", "must be >= 1")
+  check(k.chunk_size == 0 or (k.chunk_size >= 16 and not k.chunk_size & (k.chunk_size - 1)),
+        "model.kda.chunk_size", f"must be 0 (the backend's default) or a power of two >= 16, "
+        f"got {k.chunk_size}")
+  check(k.backend in KDA_BACKENDS, "model.kda.backend",
+        f"unknown backend {k.backend!r} (known: {', '.join(KDA_BACKENDS)})")
+  check(k.conv_backend in CONV_BACKENDS, "model.kda.conv_backend",
+        f"unknown backend {k.conv_backend!r} (known: {', '.join(CONV_BACKENDS)})")
+  check(k.gate == "bounded" or k.backend == "naive", "model.kda.backend",
+        "the chunked form needs the bounded gate (g >= gate_lower_bound); use the 'naive' "
+        "backend with gate='softplus'")
+  check(k.gate_lower_bound >= -5.0 or k.backend == "naive", "model.kda.gate_lower_bound",
+        f"{k.gate_lower_bound} is below -5: 16-token tiles of the chunked form would overflow")
+
+
+def _check_mla(m: ml_collections.ConfigDict) -> None:
+  a = m.mla
+  check(a.q_lora_rank <= m.d_model, "model.mla.q_lora_rank",
+        f"{a.q_lora_rank} is wider than d_model={m.d_model}")
+  check(a.kv_lora_rank <= m.d_model, "model.mla.kv_lora_rank",
+        f"{a.kv_lora_rank} is wider than d_model={m.d_model}")
+  for field in ("mla", "vision"):
+    check(m[field].attention in ATTENTION_BACKENDS, f"model.{field}.attention",
+          f"unknown backend {m[field].attention!r} (known: {', '.join(ATTENTION_BACKENDS)})")
+  check(a.form in MLA_FORMS, "model.mla.form", f"must be one of {MLA_FORMS}, got {a.form!r}")
+
+
+def _check_moe(m: ml_collections.ConfigDict) -> None:
+  e = m.moe
+  check(1 <= e.top_k <= e.num_experts, "model.moe.top_k",
+        f"must be in [1, num_experts={e.num_experts}], got {e.top_k}")
+  check(e.latent_dim <= m.d_model, "model.moe.latent_dim",
+        f"latent {e.latent_dim} is wider than the hidden d_model={m.d_model}")
+  check(e.balancing in BALANCINGS, "model.moe.balancing",
+        f"must be one of {BALANCINGS}, got {e.balancing!r}")
+  check(e.bias_update_speed > 0, "model.moe.bias_update_speed",
+        f"must be positive, got {e.bias_update_speed}")
+  check(e.aux_loss_weight >= 0, "model.moe.aux_loss_weight",
+        f"must be >= 0, got {e.aux_loss_weight}")
+  check(e.balancing != "aux_loss" or e.aux_loss_weight > 0, "model.moe.aux_loss_weight",
+        "balancing 'aux_loss' needs a positive weight (Switch uses 0.01)")
+  check(e.balancing == "aux_loss" or e.aux_loss_weight == 0, "model.moe.aux_loss_weight",
+        f"{e.aux_loss_weight} weights an auxiliary loss that balancing {e.balancing!r} "
+        "does not have: set it to 0, or balancing to 'aux_loss'")
+  check(e.balancing != "quantile" or e.top_k < e.num_experts, "model.moe.top_k",
+        "quantile balancing needs top_k < num_experts (it reads the (k+1)-th score)")
+  check(e.dispatch in DISPATCHES, "model.moe.dispatch",
+        f"must be one of {DISPATCHES}, got {e.dispatch!r}")
+  check(e.capacity_factor > 0, "model.moe.capacity_factor", "must be positive")
+  check(e.token_chunk >= 0, "model.moe.token_chunk", "must be >= 0 (0: all tokens at once)")
+  check(not e.token_chunk or e.dispatch not in ("capacity", "expert_parallel"),
+        "model.moe.token_chunk", f"needs a dropless dispatch; model.moe.dispatch is "
+        f"{e.dispatch!r} (a per-row capacity buffer cannot be chunked)")
+  check(e.expert_quant in EXPERT_QUANTS, "model.moe.expert_quant",
+        f"must be one of {EXPERT_QUANTS}, got {e.expert_quant!r}")
+  check(e.expert_quant == "none" or (e.latent_dim % 32 == 0 and e.expert_dim % 32 == 0),
+        "model.moe.expert_quant", f"mxfp4 groups 32 input columns: latent_dim "
+        f"{e.latent_dim} and expert_dim {e.expert_dim} must be multiples of 32")
+  check(e.gmm_backend in GMM_BACKENDS, "model.moe.gmm_backend",
+        f"must be one of {GMM_BACKENDS}, got {e.gmm_backend!r}")
+  check(e.balance_cutoff in ("k_plus_1", "leave_one_out"), "model.moe.balance_cutoff",
+        f"must be 'k_plus_1' or 'leave_one_out', got {e.balance_cutoff!r}")
+
+
+def _check_vision(m: ml_collections.ConfigDict) -> None:
+  v = m.vision
+  for field in ("num_layers", "width", "num_heads", "head_dim", "mlp_dim", "patch_size",
+                "merge", "temporal_pool", "pos_grid", "max_media"):
+    check(v[field] >= 1, f"model.vision.{field}", f"must be >= 1, got {v[field]}")
+  unit = v.merge * v.merge * v.temporal_pool
+  check(v.max_patches >= unit and v.max_patches % unit == 0, "model.vision.max_patches",
+        f"{v.max_patches} must be a positive multiple of merge**2 * temporal_pool = {unit}")
+  check(v.projector_hidden >= -1, "model.vision.projector_hidden",
+        f"must be -1 (as wide as its input), 0 (one Dense) or > 0, got {v.projector_hidden}")
+  check(v.projector_norm in ("pre", "post"), "model.vision.projector_norm",
+        f"must be 'pre' or 'post', got {v.projector_norm!r}")
+  check(v.projector_act in ("gelu", "gelu_tanh"), "model.vision.projector_act",
+        f"must be 'gelu' or 'gelu_tanh', got {v.projector_act!r}")
+  check(v.norm_eps > 0, "model.vision.norm_eps", f"must be positive, got {v.norm_eps}")
+  check(not v.rope_2d or v.head_dim % 4 == 0, "model.vision.head_dim",
+        f"2-D RoPE turns pairs by column and row in turn: {v.head_dim} is not a multiple of 4")
+  if v.enabled:
+    check(0 <= v.placeholder_id < m.vocab_size, "model.vision.placeholder_id",
+          f"{v.placeholder_id} is not a token id of the vocabulary (vocab_size="
+          f"{m.vocab_size}); name a reserved id below it")
