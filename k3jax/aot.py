@@ -2,31 +2,13 @@
 
   python -m k3jax.aot --config=experiments/k3_full.py:v5p-2048 --topology=v5:8x8x16 \
       --chip_config=megacore --chips_per_host_bounds=2,2,1
-  python -m k3jax.aot --config=experiments/k3_tiny.py --topology=v5p:2x2x1 \
-      --config.model.kda.backend=kernel --step_time=0.5
-
-With `libtpu` installed (the `test` extra) a CPU host compiles for a TPU topology that it
-does not have: `jax.experimental.topologies` describes the slice, and the program of
-`k3jax.program.build` (the one `k3jax.train` runs: forward, backward, optimizer, Quantile
-Balancing, QK-Clip; Pallas kernels on their TPU backend) is lowered on abstract arrays and
-compiled by XLA and Mosaic. Nothing is allocated. Prints per-chip HBM (arguments, outputs,
-temporaries, total) against the chip's capacity, the compiled FLOPs per step and the MFU a
-given step time would mean; exits 1 if the step does not fit.
-
-Topology names are libtpu's: "v5p:2x2x1" (4 chips), "v5:8x8x16" with --chip_config=megacore
-and --chips_per_host_bounds=2,2,1 (1,024 v5p chips), "tpu7x:8x8x8" (Ironwood: 512 chips, each
-two devices of 96 GiB), "v6e:16x16".
---num_slices=N compiles for N such slices joined by DCN (multi-slice); the config says which
-mesh axes cross them (`mesh.dcn_<axis>`, multiplying to N), e.g.
-
   python -m k3jax.aot --config=experiments/k3_tiny.py --topology=v5p:2x2x1 --num_slices=2 \
       --config.mesh.data=2 --config.mesh.dcn_data=2 --config.mesh.fsdp=4
 
-A step too large for HBM makes XLA stop early with its need (a MemoryError naming it; exit
-1). To compile it to the end and see every term, at several times the compile time:
+Lowers `k3jax.program.build`'s step for a libtpu topology (nothing allocated); prints
+per-chip HBM, FLOPs and MFU at --step_time; exits 1 if it does not fit. For every term:
 LIBTPU_INIT_ARGS="--xla_tpu_impure_oom_fast_exit_threshold=-1 --xla_tpu_no_crash_on_oom=true".
-k3_full's slice variants and their numbers: benchmarks/results/aot_k3_full.md.
-"""
+Results: benchmarks/results/aot_k3_full.md."""
 
 from __future__ import annotations
 
@@ -52,9 +34,7 @@ _STEP_TIME = flags.DEFINE_float("step_time", None, "Seconds per step, for the im
 
 def topology_devices(name: str, *, num_slices: int = 1, chip_config: str | None = None,
                      chips_per_host_bounds: tuple[int, ...] | None = None) -> list:
-  """The devices of a compile-only TPU topology (libtpu), `num_slices` copies of the slice
-  `name` (each device's `slice_index` says which); ValueError naming the topology when
-  libtpu is missing or does not know it."""
+  """Devices of `num_slices` compile-only TPU slices `name`; ValueError if unknown."""
   from jax.experimental import topologies  # noqa: PLC0415
   if num_slices < 1:
     raise ValueError(f"--num_slices: must be >= 1, got {num_slices}")
@@ -95,7 +75,7 @@ def main(argv):
   except MemoryError as e:
     print(f"DOES NOT FIT: {e}", flush=True)
     sys.exit(1)
-  if report is None:  # a device kind of unknown HBM size: the compiled numbers alone
+  if report is None:
     report, _ = compile_report(prog)
     print("\n".join(report.lines(_STEP_TIME.value)), flush=True)
 

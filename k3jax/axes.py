@@ -1,10 +1,5 @@
-"""Logical axis names and the activation sharding constraint: the contract that the model
-(which names axes), the optimizer (which reads them) and `k3jax.parallel` (whose rules map
-them to mesh axes) share. Imports nothing from k3jax.
-
-Every parameter and activation of the model is annotated with logical axis names
-(below). Only the mesh rules, installed by an entry point with `use_rules`, map them
-to mesh axes; the model never names a device axis.
+"""Logical axis names and `constrain`: the contract the model, the optimizer and
+`k3jax.parallel` share. Only the rules installed by `use_rules` map them to mesh axes.
 
   batch      sequences in a batch            seq        positions in a sequence
   kv_seq     positions of attention keys (never split: each device sees all of its rows')
@@ -14,8 +9,7 @@ to mesh axes; the model never names a device axis.
   mlp        FFN intermediate width          experts    routed experts
   latent     LatentMoE latent width          gate_rank  KDA low-rank decay width
   conv       short-conv taps                 layers     stacked (scanned) layers
-  sources    AttnRes sources                 cache_seq  a decoding cache's positions
-"""
+  sources    AttnRes sources                 cache_seq  a decoding cache's positions"""
 
 from __future__ import annotations
 
@@ -37,8 +31,7 @@ def is_variable(x) -> bool:
 
 
 def axis_names(var: nnx.Variable) -> AxisNames:
-  """The logical axis names of a parameter or state variable (stacked axes included);
-  None for each axis when it has none. Optimizers and mesh rules read them here."""
+  """The logical axis names of a variable (stacked axes included), None where unnamed."""
   meta = var.get_metadata()
   for key in ("out_sharding", "sharding_names", "sharding"):
     names = meta.get(key)
@@ -68,8 +61,7 @@ def use_rules(mesh: Mesh, rules: Sequence[tuple[str, str | tuple[str, ...] | Non
 
 @contextlib.contextmanager
 def unsplit(*names: str):
-  """Within the block, the installed rules split none of the logical axes `names` (a
-  decoding step's one position a row is not split over `context`; its cache's are)."""
+  """Within the block, the installed rules split none of the logical axes `names`."""
   if _ctx.mesh is None:
     yield
     return
@@ -101,8 +93,7 @@ def spec_axes(entry) -> tuple[str, ...]:
 
 
 def mesh_axes(name: str, rules=None) -> tuple[str, ...]:
-  """The mesh axes the rules (default: the installed ones) map the logical axis `name` to
-  (empty: none)."""
+  """The mesh axes the rules map logical axis `name` to."""
   return spec_axes(logical_to_spec((name,), rules)[0])
 
 
@@ -114,18 +105,14 @@ def split_ways(name: str) -> int:
 
 
 def split_axes(name: str) -> str | tuple[str, ...] | None:
-  """The mesh axes the logical axis `name` splits over on the installed mesh (as a
-  PartitionSpec entry), or None where there is no mesh or they are all of size 1. What a
-  kernel's `shard_map` needs to know, e.g. whether a sequence is split (context
-  parallelism) and over which axes."""
+  """The PartitionSpec entry `name` splits over on the installed mesh, or None if unsplit."""
   if split_ways(name) == 1:
     return None
   return logical_to_spec((name,))[0]
 
 
 def constrain_each(values: dict, names: dict[str, AxisNames], stacked: int = 0) -> dict:
-  """`constrain` on each array of a dict by the names under its key (a decoding cache),
-  after `stacked` leading unsplit axes (scanned layers)."""
+  """`constrain` each array of a dict by its key's names, after `stacked` leading axes."""
   return {key: constrain(x, (None,) * stacked + names[key]) for key, x in values.items()}
 
 

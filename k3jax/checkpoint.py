@@ -1,41 +1,13 @@
 """Checkpoints of a training run: the train state, the data iterator state and the config.
 
-One `Checkpointer` per run wraps an `orbax.checkpoint.CheckpointManager` over
-`<workdir>/checkpoints`. Each step directory holds up to four orbax items:
+A `Checkpointer` wraps orbax's CheckpointManager over `<workdir>/checkpoints`; steps hold
+state, data, config, progress and checksums. Only finalized steps are seen. With `async_save`
+call `wait()` or `close()` before exiting. `restore_latest` moves damaged steps aside.
 
-  state     the train-state pytree (arrays of any dtype and sharding, Python scalars)
-  data      the data iterator's `get_state()` (a dict, or bytes stored as base64), as JSON
-  config    the experiment config (`cfg.to_json()`), as JSON
-  progress  the trainer's counters (a small JSON dict, e.g. skipped steps)
-  checksums one checksum per array of `state` (`checksums()`), as JSON, written by process 0
-
-Orbax writes a step into a temporary directory, writes `commit_success.txt` into it and
-renames it only when every item is complete; `latest_step` and `restore` see finalized
-steps only, so a run killed mid-save resumes from the previous one (the temporary directory
-is removed when the next Checkpointer opens). With `async_save` the device-to-host copy
-happens inside `save` and the file writes in a background thread: the caller may donate or
-overwrite the saved arrays right after `save` returns, and must call `wait()` (or
-`close()`) before the process exits.
-
-`restore` and `restore_latest` verify every restored array against its checksum recorded at
-save (steps saved without checksums restore unverified). `restore_latest` is what a trainer
-calls: it checks the stored config against the current one, and a newest step that cannot be
-read (no commit marker, garbled or missing metadata, a truncated array file) or whose arrays
-differ from their checksums (a zeroed or overwritten array file) is moved aside to
-`<step>.corrupt` with a warning naming it, the arrays and their files, and the step used
-instead.
-
-  ckpt = Checkpointer(workdir, keep=cfg.train.keep_checkpoints,
-                      keep_every=cfg.train.keep_checkpoint_every,
-                      save_every=cfg.train.checkpoint_every)
-  got = ckpt.restore_latest(abstract_state, config_json=cfg.to_json(),
-                            must_match=("model.d_model", ...))   # None: nothing saved yet
-  if got is not None:
-    step, state, data_state, progress = got   # leaves of abstract_state: ShapeDtypeStruct
-  ...
+  ckpt = Checkpointer(workdir, keep=3, save_every=cfg.train.checkpoint_every)
+  got = ckpt.restore_latest(abstract_state, config_json=cfg.to_json(), must_match=(...))
   ckpt.save(step, state, data_iter.get_state(), cfg.to_json())   # no-op between intervals
-  ckpt.close()
-"""
+  ckpt.close()"""
 
 from __future__ import annotations
 
@@ -94,9 +66,7 @@ def check_writable(directory: epath.PathLike) -> epath.Path:
 
 
 def check_free_space(directory: epath.PathLike, nbytes: int) -> None:
-  """OSError naming `directory` when its filesystem has less than `nbytes` free (one more
-  checkpoint must fit before orbax deletes an old one). Skipped where it cannot be asked
-  (object stores: a URL has no free-space figure)."""
+  """OSError naming `directory` if it has less than `nbytes` free (not for URLs)."""
   if paths.is_url(directory):
     return
   try:
@@ -159,8 +129,7 @@ def _field(cfg: dict, dotted: str):
 
 
 def check_config(stored: dict, current: dict, fields, *, where: str = "checkpoint") -> None:
-  """IncompatibleCheckpoint naming every dotted field (e.g. "model.d_model") whose value in
-  the `stored` config dict differs from the `current` one."""
+  """IncompatibleCheckpoint naming every dotted field whose value differs."""
   diff = [f"config.{f}: {_field(stored, f)!r} in the {where}, {_field(current, f)!r} now"
           for f in fields if _field(stored, f) != _field(current, f)]
   if diff:
@@ -176,10 +145,7 @@ def _short(e: Exception) -> str:
 
 
 def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
-  """orbax's StandardCheckpointHandler, with the zstd compression of arrays (orbax's default)
-  optional. Either reads both: compression is recorded per array. The option lives on the
-  PyTreeCheckpointHandler underneath (Standard's `_impl`), which Standard does not expose;
-  the handler's type, and so the checkpoint's metadata, stay orbax's own."""
+  """orbax's StandardCheckpointHandler, zstd optional; either setting reads both."""
   handler = ocp.StandardCheckpointHandler()
   if not compress:
     if not isinstance(getattr(handler, "_impl", None), ocp.PyTreeCheckpointHandler):
@@ -193,12 +159,9 @@ def _state_handler(compress: bool) -> ocp.StandardCheckpointHandler:
 
 def restore_params(workdir: str, abstract_state: tuple, *, config_json: str, must_match=(),
                    field: str = "workdir"):
-  """(step, params, rest) of the latest checkpoint in `workdir`, a run's (train state) or
-  a weights checkpoint's (`k3jax.convert.importer.write_weights`), read into the shapes
-  and shardings of `abstract_state` (the program's (params, rest, opt_state)); its config
-  must agree on `must_match`. The optimizer state is not read back. FileNotFoundError,
-  naming `field` (the flag or config field that gave the directory), when `workdir` holds
-  no checkpoint."""
+  """(step, params, rest) of the latest run or weights checkpoint in `workdir`, read into
+  `abstract_state` (params, rest, opt_state) without the optimizer state.
+  FileNotFoundError naming `field` when there is no checkpoint."""
   if not paths.path(workdir).exists():
     raise FileNotFoundError(f"{field}: {workdir!r} does not exist")
   ckpt = Checkpointer(workdir, keep=1)
@@ -222,15 +185,9 @@ class Checkpointer:
   def __init__(self, workdir: epath.PathLike, *, keep: int | None = 3,
                keep_every: int | None = None, save_every: int = 1, async_save: bool = True,
                compress: bool = True, checksums: bool = True):
-    """`keep`: number of newest checkpoints kept (None or <= 0: all); `keep_every`: steps
-    that are multiples of it are kept as well, for good (None or <= 0: none; it must be a
-    multiple of `save_every`, or no step would be both saved and kept); `save_every`: `save`
-    writes only steps that are multiples of it (unless forced or preempted); `compress`:
-    zstd on every array (orbax's default; more CPU time on a save and a restore for a
-    little less disk on fp32 weights: benchmarks/results/checkpoint.md); `checksums`: `save`
-    records each array's checksum (False: steps as saved before checksums existed; restores
-    verify whatever a step holds either way). Raises OSError naming the directory if it
-    cannot be written."""
+    """`keep`: newest steps kept (None or <= 0: all); `keep_every`: multiples of it kept
+    for good (must divide by `save_every`); `save_every`: unforced saves only on its
+    multiples; `compress`: zstd per array; `checksums`: record one per array."""
     if save_every < 1:
       raise ValueError(f"Checkpointer: save_every must be >= 1, got {save_every}")
     keep_every = keep_every if keep_every and keep_every > 0 else None
@@ -239,10 +196,8 @@ class Checkpointer:
                        f"save_every={save_every}: only steps that are multiples of "
                        f"{np.lcm(keep_every, save_every)} would be kept")
     self.save_every, self.keep_every, self.record_checksums = save_every, keep_every, checksums
-    # Local paths absolute: orbax's tensorstore writer refuses relative ones
-    # (`--workdir=runs/x`); URLs (gs://...) as they are.
+    # Absolute: orbax's tensorstore writer refuses relative local paths.
     self.directory = check_writable(paths.path(workdir, absolute=True) / "checkpoints")
-    # A step survives if any policy keeps it: the `keep` newest, and every keep_every-th.
     policies = [ocp.checkpoint_managers.LatestN(n=keep if keep and keep > 0 else None)]
     if keep_every is not None:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_every))
@@ -251,7 +206,7 @@ class Checkpointer:
         save_interval_steps=1,   # `save` decides (orbax would also save the first step)
         enable_async_checkpointing=async_save,
         create=True,
-        cleanup_tmp_directories=True,   # left by a process killed mid-save
+        cleanup_tmp_directories=True,
     )
     self._mgr = ocp.CheckpointManager(
         self.directory, options=options,
@@ -270,8 +225,7 @@ class Checkpointer:
     return self._mgr.latest_step()
 
   def should_save(self, step: int) -> bool:
-    """Whether `save(step, ...)` without force writes: `step` is a multiple of
-    `save_every` or a preemption was signalled, and `step` is not saved yet."""
+    """Whether an unforced `save(step, ...)` writes."""
     if step in self._mgr.all_steps():
       return False
     return step % self.save_every == 0 or self._mgr.reached_preemption(step)
@@ -283,10 +237,7 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_iter_state: DataState = None,
            config_json: str | None = None, *, progress: dict | None = None,
            force: bool = False) -> bool:
-    """Save `state` (+ the data iterator state, config and progress counters) at `step` if
-    `should_save(step)` or `force`; returns whether a save was started. A step that is
-    already saved is skipped even when forced. `step` counts completed updates. The arrays'
-    checksums are computed before this returns (the caller may then overwrite them)."""
+    """Save `step` if `should_save(step)` or `force`, once; returns whether a save started."""
     if step in self._mgr.all_steps() or not (force or self.should_save(step)):
       return False
     items = {self.STATE: ocp.args.StandardSave(state)}
@@ -304,26 +255,14 @@ class Checkpointer:
     return self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
 
   def holds_data(self, step: int) -> bool:
-    """Whether `step` holds a data-iterator state (a run's checkpoint; a weights checkpoint
-    holds none)."""
+    """Whether `step` holds a data-iterator state (weights checkpoints do not)."""
     return self._has_item(step, self.DATA)
 
   def _has_item(self, step: int, name: str) -> bool:
     return (self.directory / str(step) / name).exists()
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, DataState]:
-    """(state, data_iter_state) of `step`.
-
-    `abstract_state` gives the tree, shapes, dtypes and shardings of the result: leaves
-    are `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` (e.g. from `jax.eval_shape` or
-    `nnx.eval_shape` with shardings attached); arrays are read straight into those
-    shardings and cast to those dtypes. The shardings may be of another mesh and device
-    count than the save's (e.g. saved on fsdp=8, restored on data=2 x fsdp=2 over 4
-    devices). A stored shape that differs from the target's raises ValueError naming the
-    parameter path and both shapes; an array that differs from its checksum recorded at save
-    raises DamagedCheckpoint naming it and its files. data_iter_state is None when the step
-    was saved without one.
-    """
+    """(state, data) of `step` into `abstract_state` (any mesh); checks shapes, checksums."""
     self.wait()
     if step not in self._mgr.all_steps():
       raise FileNotFoundError(f"no finalized checkpoint for step {step} in "
@@ -344,9 +283,7 @@ class Checkpointer:
     return restored[self.STATE], data
 
   def _verify(self, step: int, state: Any, stored) -> None:
-    """DamagedCheckpoint naming each array of `state` that differs from the checksum recorded
-    at save (`stored`: the step's checksums item) and the files holding it. Arrays restored
-    into another dtype than they were saved in cannot be compared and are skipped."""
+    """DamagedCheckpoint naming each array that differs from its checksum in `stored`."""
     path = self.directory / str(step)
     if not isinstance(stored, dict) or stored.get("format") != CHECKSUM_FORMAT:
       raise DamagedCheckpoint(f"checkpoint {str(path)!r}: checksums item is not "
@@ -369,17 +306,9 @@ class Checkpointer:
 
   def restore_latest(self, abstract_state: Any, *, config_json: str | None = None,
                      must_match=()) -> Restored | None:
-    """The newest readable step as Restored(step, state, data, progress); None when the
-    directory holds no checkpoint.
-
-    A step without its commit marker, whose metadata, config or arrays cannot be read, or
-    whose arrays differ from their checksums, is moved aside to `<step>.corrupt` and the
-    next older one tried; a warning names both, and the damaged arrays and their files.
-    With `config_json`, the config stored with the step must agree on the dotted fields
-    `must_match` (IncompatibleCheckpoint names each that differs); a stored shape that
-    differs from `abstract_state`'s raises ValueError (see `restore`). Raises
-    FileNotFoundError when checkpoints were saved but none is readable.
-    """
+    """The newest readable step as Restored, or None if there is none. Damaged steps are
+    moved aside to `<step>.corrupt`; the config must agree on `must_match`.
+    FileNotFoundError when steps exist but none is readable."""
     self.wait()
     bad = []
     for step in reversed(self.all_steps()):

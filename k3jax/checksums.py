@@ -1,8 +1,5 @@
-"""Integrity of saved arrays: one checksum per array of a train state (`checksums`), of its
-global value whatever its sharding, and where each array's bytes lie in a step's files
-(`array_locations`). `k3jax.checkpoint` records them at save time and checks them on
-restore.
-"""
+"""One checksum per saved array, of its global value whatever the sharding (`checksums`),
+and where its bytes lie in a step's files (`array_locations`), for `k3jax.checkpoint`."""
 
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ _COL_SEED, _ROW_SEED, _PHI = 0x243F6A88, 0x85A308D3, 0x9E3779B9
 
 
 def _fmix32(h):
-  """murmur3's 32-bit finalizer, on uint32 arrays (NumPy or JAX): a bijection in which every
-  input bit reaches every output bit."""
+  """murmur3's 32-bit finalizer on uint32 arrays (NumPy or JAX)."""
   h = h ^ (h >> 16)
   h = h * _U32(0x85EBCA6B)
   h = h ^ (h >> 13)
@@ -51,8 +47,7 @@ def _row_keys(r):
 
 
 def _bit_width(dtype) -> int | None:
-  """Bits per element of the dtypes a checksum covers (bool, 4/8/16/32/64-bit integers and
-  floats); None for others (complex, strings)."""
+  """Bits per element of a covered dtype; None for others (complex, strings)."""
   dtype = np.dtype(dtype)
   if dtype == np.bool_:
     return 8
@@ -65,8 +60,7 @@ def _bit_width(dtype) -> int | None:
 
 
 def _words_np(a: np.ndarray) -> np.ndarray:
-  """`a`'s bits as unsigned words [*lead, cols], a view where the dtype allows (uint8 /
-  uint16 words are widened by the einsum that reads them)."""
+  """`a`'s bits as unsigned words [*lead, cols], a view where the dtype allows."""
   a = np.ascontiguousarray(a).reshape(a.shape or (1,))
   bits = _bit_width(a.dtype)
   if a.dtype == np.bool_ or bits == 8:
@@ -77,7 +71,6 @@ def _words_np(a: np.ndarray) -> np.ndarray:
 
 
 def _words_jnp(x: jax.Array) -> jax.Array:
-  """`_words_np` on a device: uint32 [*lead, cols]."""
   x = x.reshape(x.shape or (1,))
   bits = _bit_width(x.dtype)
   if x.dtype == jnp.bool_:
@@ -90,13 +83,12 @@ def _words_jnp(x: jax.Array) -> jax.Array:
 
 
 def _checksum_jnp(x: jax.Array) -> jax.Array:
-  """The checksum of `x` (any sharding) as a uint32 scalar, traced."""
   w = _words_jnp(x)
   lead = w.shape[:-1]
   p = jnp.sum(w * _col_weights(jax.lax.iota(jnp.uint32, w.shape[-1])), axis=-1,
               dtype=jnp.uint32)   # [*lead]
   r = jnp.zeros(lead, jnp.uint32)
-  for d, n in enumerate(lead):   # the global row index, row-major
+  for d, n in enumerate(lead):
     r = r * _U32(n) + jax.lax.broadcasted_iota(jnp.uint32, lead, d)
   return jnp.sum(_fmix32(p ^ _row_keys(r)), dtype=jnp.uint32)
 
@@ -107,8 +99,7 @@ def _device_checksums(xs: tuple) -> tuple:
 
 
 def _checksum_np(shape: tuple, dtype, boxes) -> int:
-  """The checksum of an array of global `shape` from host `boxes`: (index, data) pairs that
-  tile it once (index: a tuple of slices of the global array, as `Shard.index`)."""
+  """The checksum of global `shape` from host `boxes` (index, data) that tile it once."""
   k = 2 if _bit_width(dtype) == 64 else 1
   lead = tuple(shape[:-1])
   sums = None   # P [rows], when the boxes split the array
@@ -117,7 +108,7 @@ def _checksum_np(shape: tuple, dtype, boxes) -> int:
     c0 = (index[-1].start or 0) * k if index else 0
     p = np.einsum("...j,j->...", w, _col_weights(np.arange(c0, c0 + w.shape[-1],
                                                            dtype=_U32)))
-    if w.shape == (*lead, (shape[-1] if shape else 1) * k):   # the whole array
+    if w.shape == (*lead, (shape[-1] if shape else 1) * k):
       sums = p.reshape(-1)
       break
     if sums is None:
@@ -135,28 +126,13 @@ def _device_key(x: jax.Array) -> tuple:
 
 
 def checksums(tree) -> dict[str, dict]:
-  """{tree path ("params/w"): {"checksum": int, "dtype": str, "shape": [..]}} for every array
-  leaf of `tree` (jax or NumPy; Python scalars and unsupported dtypes are left out).
-
-  An array's checksum is a function of its global value alone, whatever its sharding or
-  device count: its bits as uint32 words W [rows, cols] (leading axes flattened into rows;
-  64-bit elements two words, low first; narrower ones one word each, zero-extended), then
+  """{tree path: {"checksum", "dtype", "shape"}} per array leaf of `tree`, of its global
+  value whatever the sharding: its bits as uint32 words W [rows, cols], then
 
     P[r] = sum_j W[r, j] * a[j]            mod 2^32   a[j] = fmix32(j + seed) | 1 (odd)
     checksum = sum_r fmix32(P[r] ^ b[r])   mod 2^32   b[r] = fmix32(r * phi + seed)
 
-  with fmix32 murmur3's finalizer. An odd weight makes any change to one word change its
-  row's P[r]; zeroed or overwritten runs, flipped bytes and swapped words go unseen with
-  probability ~2^-32, except changes confined to the top bit of an even number of words of
-  one row (2^31 times an odd weight is 2^31). Mixing each P[r] with its row's key keeps rows
-  from cancelling or trading places.
-
-  The cost is one multiply-add per word, one pass over the data, where the data is: arrays
-  on CPU devices are host memory, read in place by NumPy per shard (XLA's CPU backend runs
-  such integer reductions far slower); arrays on accelerators, or not all addressable here,
-  are summed on their devices by one jitted program per device set, XLA adding the partial
-  sums across shards exactly. With several processes every process must call this (as it
-  calls `save`); all get the same values."""
+  (fmix32: murmur3's finalizer; misses ~2^-32). Every process must call it."""
   out, on_device = {}, {}
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if isinstance(x, (np.ndarray, np.generic)):
@@ -182,10 +158,7 @@ def checksums(tree) -> dict[str, dict]:
 
 
 def array_locations(step_dir: epath.PathLike) -> dict[str, list[tuple[str, int, int]]]:
-  """{tree path: [(file relative to `step_dir`, offset, length), ...]}: where the bytes of
-  each array of a step's state item lie (chunks in the data files of its OCDBT database;
-  small ones inline in a b-tree node's file), read from the database's b-tree. {} where it
-  cannot be read (not a local directory, another layout)."""
+  """{tree path: [(file, offset, length)]} of a step's state; {} if unreadable."""
   try:
     import tensorstore as ts  # noqa: PLC0415  (orbax's storage layer; only read here)
     state = os.fspath(epath.Path(step_dir) / "state")
@@ -204,14 +177,14 @@ def array_locations(step_dir: epath.PathLike) -> dict[str, list[tuple[str, int, 
     while todo:
       location = todo.pop()
       for entry in ts.ocdbt.dump(kv, location).result().get("entries", []):
-        for value in entry.values():   # an interior node's entries point at nodes
+        for value in entry.values():
           if isinstance(value, str) and value.startswith("btreenode:"):
             todo.append(value)
         key = entry.get("key", b"")
         key = (key if isinstance(key, bytes) else ast.literal_eval(key)).decode()
         name, _, chunk = key.partition("/")
         if not chunk or chunk.rsplit("/", 1)[-1].startswith((".z", "zarr.json")):
-          continue   # array metadata, not data
+          continue
         path = name.replace(".", "/")
         if "indirect_value" in entry:
           out.setdefault(path, []).append(where(entry["indirect_value"]))

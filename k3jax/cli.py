@@ -1,14 +1,6 @@
-"""What the entry points share: the `--config` flag (defined once, here) and `run(main)`,
-which each entry point calls instead of absl's `app.run(main)`.
-
-`run` reports a config's errors as one line on stderr, `config error: ...`, and exits with
-status 2 (`EXIT_CONFIG_ERROR`), no traceback: a `--config.a.b=v` key that is not a field
-(with the nearest valid key), a value of the wrong type, a config file that cannot be
-loaded, and a `k3jax.config.ConfigError` raised by the program (`validate` names the field).
-On a host without TPU chips it also keeps libtpu quiet (`quiet_libtpu`), and absl logs
-warnings and errors only unless `--verbosity` is given (the entry points print their own
-progress).
-"""
+"""The `--config` flag and `run(main)`, which every entry point calls instead of
+`app.run(main)`: any config error (unknown key, with the nearest valid one; wrong type;
+unloadable file; `ConfigError`) is one `config error: ...` line on stderr and exit 2."""
 
 from __future__ import annotations
 
@@ -55,8 +47,7 @@ def run(main):
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing (`app.parse_flags_with_usage`), with the `--config` errors reported
-  by `fail`; other flag errors exit as absl's do."""
+  """absl's flag parsing, with `--config` errors reported by `fail`."""
   try:
     rest = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001  (ml_collections raises several kinds)
@@ -80,8 +71,7 @@ _REQUIRED = "--config=FILE[:arg] is required, e.g. --config=experiments/k3_tiny.
 
 
 def explain_config_error(error: Exception, argv: list[str]) -> str | None:
-  """One line saying what is wrong with `argv`'s --config flags, given the `error` their
-  parsing raised; None if it is not about them."""
+  """One line on what is wrong with `argv`'s --config flags; None if not about them."""
   config_arg, keys = _config_args(argv[1:])
   text = str(error).strip()
   if config_arg is None:
@@ -101,17 +91,16 @@ def explain_config_error(error: Exception, argv: list[str]) -> str | None:
     if msg is not None:
       return msg
   if isinstance(error, flags.Error) and text.startswith("flag --config"):
-    return text.removeprefix("flag ").splitlines()[0]  # a value of the wrong type
+    return text.removeprefix("flag ").splitlines()[0]
   if isinstance(error, flags.Error) and "config." in text:
-    return text.splitlines()[0]  # e.g. a group overridden after one of its fields
+    return text.splitlines()[0]
   if keys and isinstance(error, (LookupError, AttributeError, TypeError, ValueError)):
     return f"the --config.* overrides: {type(error).__name__}: {text.splitlines()[0]}"
   return None
 
 
 def _load_problem(cfg) -> str | None:
-  """What kept ml_collections from loading the config file (it returns a stand-in that
-  raises on first use); None for a config."""
+  """What kept ml_collections from loading the config file; None if it loaded."""
   if cfg is None or isinstance(cfg, ml_collections.ConfigDict):
     return None
   try:
@@ -122,7 +111,6 @@ def _load_problem(cfg) -> str | None:
 
 
 def _config_args(args: list[str]) -> tuple[str | None, list[str]]:
-  """(the --config value, the dotted keys of the --config.* overrides) in `args`."""
   config_arg, keys = None, []
   for i, arg in enumerate(args):
     if arg == "--":
@@ -144,7 +132,6 @@ def _innermost(e: BaseException) -> BaseException:
 
 
 def _fields(node) -> list[str] | None:
-  """The field names of a group of fields; None for a value."""
   if isinstance(node, (ml_collections.ConfigDict, dict)):
     return list(node.keys())
   return None
@@ -160,9 +147,7 @@ def _leaf_paths(node, prefix: str = "") -> list[str]:
 
 
 def nearest_field(cfg, key: str) -> str | None:
-  """The valid dotted key of `cfg` nearest to `key`: each part not a field replaced by the
-  closest field of its group; else a field whose path ends with `key` (a group left out);
-  else the closest whole path. None if nothing is close."""
+  """The valid dotted key of `cfg` nearest to `key`, or None."""
   node, parts = cfg, []
   for part in key.split("."):
     names = _fields(node)
@@ -186,8 +171,7 @@ def nearest_field(cfg, key: str) -> str | None:
 
 
 def unknown_field(cfg, key: str) -> str | None:
-  """The message for a dotted `key` (parts may index lists: `sources[0]`) that is not a
-  field of `cfg`; None if it is one."""
+  """The message for a dotted `key` that is not a field of `cfg`; None if it is one."""
   node, seen = cfg, "config"
   for part in key.split("."):
     name, _, index = part.partition("[")
@@ -208,21 +192,14 @@ def unknown_field(cfg, key: str) -> str | None:
   return None
 
 
-# Set by TPU VMs, GKE and launchers for a slice: where one is set, the host's TPU runtime
-# is configured and quiet_libtpu leaves it alone.
+# Set where a slice is configured: quiet_libtpu then leaves the environment alone.
 _TPU_TOPOLOGY_ENV = ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_HOST_BOUNDS",
                      "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY", "TPU_PROCESS_BOUNDS",
                      "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS")
 
 
 def quiet_libtpu() -> None:
-  """On a host without TPU chips, gives libtpu the single-host values it otherwise looks up
-  in a TPU VM's metadata and, not finding them, logs as errors (`E0000 ... unexpected
-  worker hostname ...` on every run). JAX loads libtpu wherever it is installed (the `test`
-  extra): to try a TPU backend, or to compile for a TPU topology (`k3jax.aot`, whose
-  programs these values do not change). Nothing is set on a host with TPU chips or TPU
-  device files, nor where the environment already describes a slice. Call before JAX starts
-  a backend."""
+  """Without TPU chips, give libtpu single-host values; call before JAX starts."""
   if any(os.environ.get(k) for k in _TPU_TOPOLOGY_ENV):
     return
   if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
@@ -234,6 +211,6 @@ def quiet_libtpu() -> None:
     return
   if chips:
     return
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server to ask
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
   os.environ["TPU_HOST_BOUNDS"] = "1,1,1"

@@ -1,13 +1,8 @@
 """The experiment config: every field with its K3 default, and validation.
 
-`base_config()` returns the complete schema with the values of the full K3 model
-(K3_SPEC section 1); experiment files in `experiments/` start from it and change
-fields. Each package owns its section, its defaults and its checks (`k3jax.model.config`,
-`k3jax.optim.config`, `k3jax.data.config`, `k3jax.parallel.config` for `mesh`); the run's
-own fields (`seed`, `train`) are here, and so are the checks that join sections.
-`validate(config)` names the first impossible setting it finds. Unknown keys are rejected
-by ml_collections itself (the ConfigDict is locked).
-"""
+`base_config()` is the full K3 model (K3_SPEC 1); experiments/ start from it. Each
+package owns its section; `seed`, `train` and the cross-section checks of
+`validate(config)` are here. The ConfigDict is locked: unknown keys are rejected."""
 
 from __future__ import annotations
 
@@ -33,7 +28,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = model_config()
   c.train = train_config()
   c.optimizer = optimizer_config()
-  c.mesh = mesh_config()   # device mesh axes (k3jax.parallel.mesh)
+  c.mesh = mesh_config()
   c.data = data_config()
   c.lock()
   return c
@@ -44,60 +39,42 @@ def train_config() -> ml_collections.ConfigDict:
   t = ml_collections.ConfigDict()
   t.seq_len = 4_096
   t.global_batch = 1_024
-  t.microbatches = 1     # gradient accumulation: the global batch as this many sequential
-                         # slices per step; the same update in a slice's activation memory
-  t.cast_params_once = False  # True: the parameters that name a compute dtype (LatentMoE's
-                         # routed expert matrices) are cast to it, and MXFP4-quantized under
-                         # moe.expert_quant, once per step before the microbatches, not in every
-                         # microbatch's forward and recompute; the same gradients, for a copy
-                         # of them in the compute dtype
-  t.loss_chunk = 0       # > 0: the LM head + loss over this many positions at a time (under
-                         # remat: no [T, vocab] logits); must divide seq_len. 0: all at once
-  # XLA compiler options of the train and eval steps, "name=value" items split by commas or
-  # spaces. One named xla_tpu_* / xla_gpu_* / xla_cpu_* applies on that platform only (the
-  # same config runs anywhere); any other applies everywhere. Checked against the compiler
-  # when the program is built (`xla_options`).
+  t.microbatches = 1     # gradient accumulation: sequential slices of the global batch
+  t.cast_params_once = False  # True: cast (and MXFP4-quantize) routed experts once per
+                              # step, not per microbatch; same gradients
+  t.loss_chunk = 0       # > 0: LM head + loss over this many positions at a time (divides
+                         # seq_len); 0: all at once
+  # XLA options "name=value", comma/space separated; xla_tpu_*/xla_gpu_*/xla_cpu_* apply
+  # on that platform only
   t.xla_options = ""
-  # True: XLA's deterministic ops on GPU (sorted scatters instead of atomic adds,
-  # deterministic autotuning), so that a run repeats its losses bit for bit; TPU and CPU
-  # steps repeat anyway. k3_small's step fails at run time with it on JAX 0.11.2's GPU
-  # build (benchmarks/results/train_step.md).
+  # True: XLA's deterministic GPU ops, bit-exact repeats (benchmarks/results/train_step.md)
   t.deterministic = False
   t.steps = 100_000
   t.log_every = 10
   t.eval_every = 1_000
   t.eval_batches = 4
-  # Tasks scored at each eval as well (`k3jax.scoring`, what `python -m k3jax.eval` runs),
-  # comma-separated; "": none. Text files (globs) for bits per byte, multiple-choice JSONL
-  # files for accuracy; sequences of seq_len + 1 tokens, a microbatch's rows at once.
+  # Tasks scored at each eval (k3jax.scoring), comma-separated globs; "": none. Text files
+  # for bits per byte, multiple-choice JSONL for accuracy.
   t.eval_text = ""
   t.eval_choices = ""
   t.checkpoint_every = 1_000
   t.keep_checkpoints = 3       # the newest N checkpoints are kept
   t.keep_checkpoint_every = 0  # and, for good, every step that is a multiple of this (0: none)
-  # A weights checkpoint (`python -m k3jax.convert import`) whose parameters a run with no
-  # checkpoint of its own starts from (step 0, fresh optimizer state); "" : random init
+  # A weights checkpoint (`python -m k3jax.convert import`) a fresh run starts from; "": none
   t.init_from = ""
-  t.checkpoint_compression = False  # zstd: more save/restore CPU time for a little less disk
-                                    # (benchmarks/results/checkpoint.md)
+  t.checkpoint_compression = False  # zstd per array (benchmarks/results/checkpoint.md)
   t.max_bad_steps = 10   # this many non-finite (skipped) steps in a row stop the run
-  # "S:K": a run resuming from step S first discards the data of its next K steps (the
-  # batches of a divergence, which the stop message names); "": none
+  # "S:K": resuming from step S, skip the data of the next K steps; "": none
   t.skip_batches = ""
-  # JAX's persistent compilation cache in <workdir>/compilation_cache, so that a restarted
-  # run loads its compiled programs instead of compiling them again (train.steps is part of
-  # the train step's program); a cache directory JAX already has (JAX_COMPILATION_CACHE_DIR)
-  # is used instead. False: none.
+  # JAX's persistent compilation cache in <workdir>/compilation_cache (or
+  # JAX_COMPILATION_CACHE_DIR); False: none
   t.compilation_cache = True
   t.grad_clip_norm = 1.0
   t.peak_tflops = 0.0    # per-device peak for the MFU estimate; 0 = detect from the device
   return t
 
 
-# Fields a checkpoint depends on: the shapes and structure of the parameters, the optimizer
-# state and the Quantile-Balancing biases, and what the saved data-iterator position means.
-# A run resumes only under a config that agrees on each (compute dtypes, remat, kernels,
-# learning rate etc. may change). k3jax.checkpoint.check_shapes backs this list up.
+# Fields a checkpoint's state and data position depend on; a resume must agree on each.
 RESTORE_FIELDS = (
     "seed", "train.seq_len", "data.source", "data.packing", "data.sources",
     "data.heldout_every", "data.tokenizer.kind", "data.tokenizer.bos_token",
@@ -119,8 +96,7 @@ RESTORE_FIELDS = (
     "model.vision.pos_grid", "model.vision.projector_hidden", "model.vision.projector_norm",
     "optimizer.name", "optimizer.muon.per_head", "optimizer.muon.router",
 )
-# Those that fix the model's parameters: what a checkpoint read for its weights alone
-# (train.init_from, generate, eval, export) must agree on.
+# Fields that fix the parameters, for checkpoints read for weights alone.
 MODEL_RESTORE_FIELDS = tuple(f for f in RESTORE_FIELDS if f.startswith("model."))
 
 
@@ -128,9 +104,7 @@ _PLATFORM_PREFIXES = ("xla_tpu_", "xla_gpu_", "xla_cpu_")
 
 
 def xla_options(spec: str, platform: str) -> dict[str, str]:
-  """{name: value} of the "name=value" items of `spec` (config.train.xla_options) that apply
-  on `platform` ("tpu", "gpu", "cpu"; "any": all of them). ConfigError for an item that is
-  not an `xla_*=value` pair."""
+  """{name: value} of `spec`'s items for `platform` ("any": all); ConfigError if bad."""
   options = {}
   for item in spec.replace(",", " ").split():
     name, eq, value = item.lstrip("-").partition("=")
@@ -144,9 +118,7 @@ def xla_options(spec: str, platform: str) -> dict[str, str]:
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Raise ConfigError naming the first impossible setting; return `c` otherwise, with a
-  warmup longer than the run shortened (`fit_warmup`). Each section's own checks, then
-  those that join sections."""
+  """ConfigError naming the first impossible setting; else `c` (warmup fitted)."""
   validate_model(c.model)
   _check_mesh_fits_model(c)
   validate_mesh(c.mesh)
@@ -173,7 +145,6 @@ def _check_mesh_fits_model(c: ml_collections.ConfigDict) -> None:
 
 
 def _validate_train(c: ml_collections.ConfigDict) -> None:
-  """The `train` section, with its sequence split by the mesh's context (and expert) ways."""
   t, p = c.train, c.mesh
   check(t.seq_len >= 2, "train.seq_len", f"must be >= 2, got {t.seq_len}")
   check(t.global_batch >= 1, "train.global_batch", "must be >= 1")
@@ -185,7 +156,7 @@ def _validate_train(c: ml_collections.ConfigDict) -> None:
   seq_ways = [p.context] + ([p.expert] if p.expert_splits == "seq" else [])
   if -1 not in seq_ways:
     check_context(c, math.prod(seq_ways))
-  xla_options(t.xla_options, "any")  # its syntax; the names when the program is built
+  xla_options(t.xla_options, "any")
   check(t.checkpoint_every >= 1, "train.checkpoint_every",
         f"must be >= 1, got {t.checkpoint_every}")
   check(t.keep_checkpoint_every >= 0 and t.keep_checkpoint_every % t.checkpoint_every == 0,
@@ -209,10 +180,7 @@ def skip_batches(t: ml_collections.ConfigDict) -> tuple[int, int] | None:
 
 
 def fit_warmup(c: ml_collections.ConfigDict) -> None:
-  """A warmup longer than the run (optimizer.warmup_steps > train.steps: a short run of a
-  config made for a longer one) becomes a tenth of the run, the share k3_tiny's 30 of 300
-  steps take, so that the schedule still reaches its peak and decays; one line on stderr
-  says so. A warmup within the run is left as it is."""
+  """A warmup longer than the run becomes a tenth of it, with a line on stderr."""
   o, steps = c.optimizer, c.train.steps
   if o.warmup_steps > steps:
     fitted = steps // 10
@@ -223,10 +191,7 @@ def fit_warmup(c: ml_collections.ConfigDict) -> None:
 
 
 def check_context(c: ml_collections.ConfigDict, ways: int) -> None:
-  """ConfigError unless `ways` context-parallel devices each take a whole number of KDA
-  chunks of every sequence: seq_len % (ways * chunk) == 0, chunk = model.kda.chunk_size or
-  16 (the shortest any backend runs; `pallas_kernels.kda` halves its default chunk until it
-  divides a slice); and of loss chunks (train.loss_chunk)."""
+  """ConfigError unless each context device takes whole KDA and loss chunks."""
   chunk = c.model.kda.chunk_size or 16
   check(ways >= 1, "mesh.context", f"must be >= 1 or -1 (fill), got {ways}")
   check(c.train.seq_len % (ways * chunk) == 0 or ways == 1, "mesh.context",

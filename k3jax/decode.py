@@ -4,16 +4,8 @@
   logits, cache = step(model, tokens[:, t:t + 1], cache, pos)   # [B, 1, vocab]
   ids = generate(model, prompts, max_new_tokens=..., eos_id=..., key=...)
 
-Only the token mixers carry anything across positions: a KDA layer its recurrent state
-[B, H, K, K] fp32 and the last W - 1 tokens' q, k, v projections (its short conv's tail), an
-MLA layer the absorbed form's latent of every cached position [B, max_len, kv_lora + rope].
-AttnRes, the FFNs and LatentMoE act on the token alone, so a step runs the stack on [B, 1]
-positions with each mixer's `step`. Rows advance together at their own positions `pos` [B]
-(a row's next free slot); a row's cache holds one document.
-
-The cache mirrors the layer groups: {"prefix": [...], "cycles": [...] (one per layer of a
-cycle, stacked over the scanned cycles), "suffix": [...]}.
-"""
+Only mixers carry state (KDA: [B, H, K, K] fp32 and the conv tail; MLA: the latent
+[B, max_len, kv_lora + rope]); rows advance at their own `pos` [B]."""
 
 from __future__ import annotations
 
@@ -49,22 +41,14 @@ def init_cache(model: K3Model, batch: int, max_len: int) -> dict:
 
 
 def step(model: K3Model, tokens: jax.Array, cache: dict, pos: jax.Array):
-  """tokens [B, 1] at positions pos [B] int32 -> (logits [B, 1, vocab], the cache after
-  them): the logits the training forward gives at those positions of the rows' sequences
-  (teacher forcing), given the cache of the positions before. pos must be below the
-  cache's max_len (not checked under jit: an MLA layer would not store the token). Each
-  layer writes only its token's entry into the cache (`Layer.write_cache`): with the cache
-  donated, nothing else of it is copied."""
+  """tokens [B, 1] at pos [B] -> (logits [B, 1, vocab], cache); pos < max_len."""
   with axes.unsplit("seq"):               # one position a row: not split over `context`
     x = embedding.lookup(model.embed[...], tokens, model.dtype)
     return _stack(model, x, lambda layer, s, c: layer.step(s, c, pos), cache, pos)
 
 
 def prefill(model: K3Model, tokens: jax.Array, max_len: int, media=None):
-  """Whole prompts tokens [B, P] (one document a row), through each layer's own forward ->
-  (logits [B, P, vocab], the cache of `max_len` positions after them). media: the
-  prompts' images (a PackedMedia, as `K3Model.embed_with_images` takes), whose features
-  replace the placeholder tokens."""
+  """Prompts [B, P] -> (logits [B, P, vocab], cache of `max_len`); media: a PackedMedia."""
   if tokens.shape[1] > max_len:
     raise ValueError(f"prefill: prompts of {tokens.shape[1]} tokens do not fit a cache of "
                      f"{max_len} positions")
@@ -77,11 +61,7 @@ def prefill(model: K3Model, tokens: jax.Array, max_len: int, media=None):
 
 
 def _stack(model: K3Model, x: jax.Array, layer_fn, cache: dict | None = None, pos=None):
-  """The stack on embeddings x [B, T, d] -> (logits, cache). Without a cache (prefill)
-  layer_fn(layer, stream, None) -> (stream, the layer's cache); with one (a step at pos)
-  layer_fn(layer, stream, the layer's cache) -> (stream, its entry), written into the cache
-  by `Layer.write_cache`; the scanned cycles' caches ride in the scan's carry, each layer's
-  entry written at its cycle's index."""
+  """The stack on x [B, T, d] -> (logits, cache) by layer_fn(layer, stream, cache or None)."""
   stream = attn_res.init_state(x, model.num_slots) if model.use_attn_res else x
   new = {"prefix": [], "cycles": [], "suffix": []}
 
@@ -124,9 +104,7 @@ def _stack(model: K3Model, x: jax.Array, layer_fn, cache: dict | None = None, po
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0) -> jax.Array:
-  """Next tokens [B] int32 from logits [B, vocab]: the argmax at temperature 0, else a draw
-  from softmax(logits / temperature) over the top_k largest (0: all) and, within them, the
-  smallest set whose probability reaches top_p (the largest always kept)."""
+  """Next tokens [B] from logits [B, vocab]: argmax at temperature 0, else top_k/top_p."""
   logits = logits.astype(jnp.float32)
   if temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -137,7 +115,7 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_k
   if top_p < 1.0:
     ordered = jnp.sort(logits, axis=-1)[:, ::-1]
     before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(
-        ordered, axis=-1)                       # probability of the larger ones
+        ordered, axis=-1)
     cut = jnp.min(jnp.where(before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < cut, -jnp.inf, logits)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
@@ -147,13 +125,9 @@ def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
              eos_id: int | None, key: jax.Array, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, media=None,
              on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
-  """Continues each prompt (token ids, at least one) by up to `max_new_tokens` tokens,
-  stopping a row at `eos_id` (kept in its output). The first min(prompt lengths) tokens go
-  through `prefill` at once; then rows step together: a row still in its prompt is fed its
-  next prompt token, the others their last sampled one (`sample`, key folded with the
-  position). media: the prompts' images (`prefill`); their placeholders must lie within
-  the prefilled tokens. on_token(row, id) is called for each new token as it comes.
-  Returns the new tokens of each row."""
+  """Each prompt continued by up to `max_new_tokens` tokens, a row stopping at `eos_id`
+  (kept). The shortest prompt's length is prefilled; media placeholders must lie within
+  it. on_token(row, id) sees each new token. Returns the new tokens per row."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("generate: every prompt needs at least one token (e.g. bos)")
   b, lengths = len(prompts), [len(p) for p in prompts]
@@ -163,7 +137,7 @@ def generate(model: K3Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
     tokens[i, :len(p)] = p
   graphdef, state = nnx.split(model)
   run = jax.jit(lambda s, tok, c, pos: step(nnx.merge(graphdef, s), tok, c, pos),
-                donate_argnums=(2,))                 # the cache: updated in place
+                donate_argnums=(2,))
   pick = jax.jit(lambda logits, k: sample(logits, k, temperature=temperature, top_k=top_k,
                                           top_p=top_p))
   if media is not None and np.any(tokens[:, first:] == model.placeholder_id):

@@ -3,17 +3,9 @@
   python -m k3jax.eval --config=experiments/k3_tiny.py --workdir=/tmp/k3_tiny \
       --text="corpus/*.txt" --choices=tasks/mc.jsonl [--out=/tmp/eval.jsonl]
 
---text: files of documents (plain text, one document a file; `data.sources`' readers for
-.jsonl / .parquet by extension): each document is [bos] + tokens + [eos], scored in
-windows of train.seq_len + 1 tokens (each window from a fresh context); reported as the
-mean loss per token, perplexity, and bits per byte (the summed loss in bits over the
-documents' UTF-8 bytes).
---choices: JSONL items {"context": str, "choices": [str, ...], "answer": int} (the
-lm-eval-harness convention): each choice's summed log-likelihood after [bos] + context;
-accuracy (the likeliest choice), accuracy normalized by the choice's bytes, and the
-standard error sqrt(acc (1 - acc) / n).
-Results go to the console and, with --out, one JSON line per task.
-"""
+--text: documents (text, .jsonl, .parquet) scored in windows of seq_len + 1: loss,
+perplexity, bits per byte. --choices: JSONL {"context", "choices", "answer"}: accuracy,
+byte-normalized accuracy, standard error. --out: one JSON line per task."""
 
 from __future__ import annotations
 

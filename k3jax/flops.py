@@ -1,39 +1,17 @@
 """Analytic training FLOPs per token, MFU, and the peak FLOP/s of known accelerators.
 
-`flops_per_token(cfg.model, seq_len)` counts forward matmul FLOPs per token (2 per
-multiply-add), summed over all layers, per component:
+`flops_per_token(cfg.model, seq_len)`: forward matmul FLOPs per token and component:
 
-  lm_head     2 d V                              (the input embedding is a lookup: 0)
-  kda_proj    per KDA layer: q, k, v, output gate g, o: 5 * 2 d H K;  beta: 2 d H;
-              low-rank decay: 2 (d r + r H K);  depthwise short conv: 3 * 2 c H K
-  kda_core    per KDA layer and head, chunkwise form with chunk C (K = d_k, V = d_v);
-              causal/triangular products count their lower half:
-                A_kk = (K e^G)(K e^-G)^T, strictly lower      C K
-                A_qk = (Q e^G)(K e^-G)^T, causal              C K
-                (I + A_kk)^-1, unit lower triangular          C^2 / 3
-                w = A_kk (beta K e^G), u = A_kk (beta V)      C K + C V
-                v_new = u - w S                               2 K V
-                o = (Q e^G) S + A_qk v_new                    2 K V + C V
-                S <- e^g S + (K e^..)^T v_new                 2 K V
-              = 6 K V + C (3 K + 2 V) + C^2 / 3  per token per head
-  mla_proj    per MLA layer: W_qa 2 d q_r; W_qb 2 q_r H (n + p); W_kva 2 d (kv_r + p);
-              W_kvb 2 kv_r H (n + v); output gate 2 d H v; W_o 2 H v d
-  mla_core    per MLA layer: causal softmax attention over T positions; a token attends
-              to (T + 1) / 2 keys on average: scores 2 H (n + p) and values 2 H v per key,
-              = (T + 1) H (n + p + v)
-  dense_ffn   per dense layer, GLU: 3 * 2 d F
-  moe_router  2 d E;  moe_latent: W_down + W_up, 2 * 2 d L;
-  moe_routed  top_k * 3 * 2 L F_e;  moe_shared: num_shared * 3 * 2 d F_s
-  attn_res    per sublayer with S sources: scores and the weighted sum, 2 * 2 d S (plus the
-              output-level AttnRes); S = embedding + completed blocks (+ the current
-              block's partial sum after its first sublayer)
+  lm_head     2 d V (the embedding lookup: 0)
+  kda_proj    5 * 2 d H K + 2 d H + 2 (d r + r H K) + 3 * 2 c H K
+  kda_core    per head, chunk C, triangles halved: 6 K V + C (3 K + 2 V) + C^2 / 3
+  mla_proj    2 (d q_r + q_r H (n + p) + d (kv_r + p) + kv_r H (n + v) + 2 d H v)
+  mla_core    (T + 1) H (n + p + v) (causal: (T + 1) / 2 keys on average)
+  dense_ffn   3 * 2 d F;  moe_router 2 d E;  moe_latent 2 * 2 d L
+  moe_routed  top_k * 3 * 2 L F_e;  moe_shared num_shared * 3 * 2 d F_s
+  attn_res    2 * 2 d S per sublayer with S sources
 
-Elementwise work (norms, activations, gates, softmax, the decay exponentials) is not
-counted. `forward` is the sum, `train = 3 * forward` (the backward pass is two matmuls per
-forward matmul; rematerialization is not counted, as is usual for MFU).
-`dense_proj` = forward without the attention cores (kda_core, mla_core) and AttnRes, which
-is 2 * (active matmul parameters incl. the LM head), i.e. 6 N_active for training.
-"""
+`train = 3 * forward` (no remat, no elementwise work); `dense_proj` = 2 N_active."""
 
 from __future__ import annotations
 
@@ -83,8 +61,7 @@ def flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> dict[str, flo
   f["lm_head"] = 2 * d * m.vocab_size
   k, a, e = m.kda, m.mla, m.moe
   hk = k.num_heads * k.head_dim
-  # chunk_size 0: the backend's default on this process's platform (a TPU compile from a
-  # CPU host counts the CPU's 64, which is also the TPU's)
+  # chunk_size 0: this process's platform default (64 on CPU, as on TPU)
   chunk = k.chunk_size or kda_ops.default_chunk_size(k.backend, jax.default_backend())
   for mixer, ffn in layer_kinds(m):
     if mixer == "kda":
@@ -127,10 +104,7 @@ def format_breakdown(f: dict[str, float]) -> str:
 
 def mfu(tokens_per_sec_per_device: float, flops_per_token: float,
         peak_flops_per_device: float) -> float:
-  """Model FLOPs utilization: achieved training FLOP/s over the device peak.
-
-  `flops_per_token` is the training count (`flops_per_token(...)["train"]`).
-  """
+  """Achieved training FLOP/s (from `flops_per_token(...)["train"]`) over the peak."""
   if not peak_flops_per_device or peak_flops_per_device <= 0:
     raise ValueError(f"mfu: peak_flops_per_device must be positive, "
                      f"got {peak_flops_per_device}")
@@ -149,8 +123,7 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("v5", 459e12),        # TPU v5p reports "TPU v5"
     ("v6 lite", 918e12),   # TPU v6e (Trillium) reports "TPU v6 lite"
     ("v6e", 918e12),
-    # Ironwood: 2,307 TFLOP/s bf16 per chip, and a chip is two JAX devices (one per die,
-    # as memory.py counts its HBM)
+    # Ironwood: a chip is two JAX devices
     ("tpu7x", 2307e12 / 2),
     ("ironwood", 2307e12 / 2),
     ("v4", 275e12),
@@ -158,8 +131,7 @@ PEAK_FLOPS: tuple[tuple[str, float], ...] = (
 
 
 def peak_flops(device: Any) -> float | None:
-  """Dense bf16 peak FLOP/s of a `jax.Device` (or a device_kind string); None if unknown
-  (CPU, or a kind not in `PEAK_FLOPS`)."""
+  """Dense bf16 peak FLOP/s of a device or device_kind; None if unknown."""
   if isinstance(device, str):
     kind, platform = device, ""
   else:

@@ -2,13 +2,7 @@
 
   python -m k3jax.generate --config=experiments/k3_tiny.py --workdir=/tmp/k3_tiny \
       --prompt="The " --max_new_tokens=64 [--temperature=0.8 --top_k=40 --top_p=0.95 --seed=0]
-  python -m k3jax.generate --config=... --workdir=... --prompts=FILE   # one prompt a line
-
-The workdir's latest checkpoint (a training run's or an imported weights checkpoint) is
-read into the config's model; each prompt is its tokenizer's ids after bos. Greedy at
-temperature 0 (the default). One prompt streams its tokens to the console as they come;
-several are printed when all are done, one per line.
-"""
+  python -m k3jax.generate --config=... --workdir=... --prompts=FILE   # one prompt a line"""
 
 from __future__ import annotations
 

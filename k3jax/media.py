@@ -1,42 +1,10 @@
-"""The packed-media contract: images and videos as the data pipeline packs them and the
-vision tower (`k3jax.model.vision`) reads them (K3_SPEC 6).
+"""The packed-media contract (K3_SPEC 6): what the pipeline packs and the vision tower reads.
 
-Host side (numpy, outside jit):
-
-  patchify(image [H, W, 3])         -> patches [h * w, P*P*3], (h, w)
-  patchify_video(frames [T, H, W, 3]) -> patches [t * h * w, P*P*3], (t, h, w)
-  pack([(patches, grid), ...])      -> PackedMedia of fixed shapes, tokens per item
-
-uint8 pixels are mapped to [-1, 1] (x / 127.5 - 1); float pixels are taken as they are.
-Images are NOT resized: the bottom and right edges are padded with 0 (mid grey in [-1, 1])
-to a multiple of patch * merge pixels (28 for K3), so that the patch grid (h, w) is even
-and the 2x2 merge tiles it exactly; the padded patches are part of the image.
-
-Patch order ("merge order"). Within one item of grid (t, h, w), m = merge and
-p = temporal_pool for a video (t > 1) or 1 for an image, the patches are ordered
-
-  for g < t/p, i < h/m, j < w/m  (one output token)
-    for f < p                    (its frames)
-      for a < m, b < m           (one m x m window, row-major)
-        patch (frame g*p + f, row i*m + a, col j*m + b)
-
-so every m*m consecutive patches are one merge window and every p consecutive windows
-are one output token. The tower's attention is order-free (positions come only from the
-embeddings below), so this order costs nothing and makes the merge a reshape.
-
-PackedMedia (fixed shapes for jit; N = max_patches, a multiple of m*m*temporal_pool; M =
-max_media; K = N // (m*m) windows):
-
-  patches      [N, P*P*3] float32   items back to back, then zeros
-  segment_ids  [N] int32            item k (1-based) for its patches, 0 for padding
-  coords       [N, 3] int32         (frame, row, col) of each patch in its item's grid
-  grid_thw     [M, 3] int32         (t, h, w) of item k at row k-1; zeros for unused rows
-  pool_ids     [K] int32            the output token of each window; K for padding (dropped)
-
-Output token k of the tower is row k of its [K, d] features: items in order, each in
-(frame group, window row, window col) order, then zero rows. Under mesh rules the patch
-axis shards like a batch axis, so N must divide over the data-parallel devices.
-"""
+Host side (numpy): `patchify` / `patchify_video` -> (patches [n, P*P*3] in merge order,
+grid); `pack` -> a fixed-shape `PackedMedia` (N = max_patches, M = max_media, K = N //
+merge**2). uint8 pixels map to [-1, 1]; images are padded, not resized, to multiples of
+patch * merge. Merge order: per output token its frames, each an m x m window row-major, so
+merging is a reshape. N must divide over the data-parallel devices."""
 
 from __future__ import annotations
 
@@ -52,8 +20,8 @@ class PackedMedia(NamedTuple):
   patches: jax.Array | np.ndarray       # [N, P*P*3] float32
   segment_ids: jax.Array | np.ndarray   # [N] int32, 0 = padding
   coords: jax.Array | np.ndarray        # [N, 3] int32 (frame, row, col)
-  grid_thw: jax.Array | np.ndarray      # [M, 3] int32
-  pool_ids: jax.Array | np.ndarray      # [N // merge**2] int32
+  grid_thw: jax.Array | np.ndarray      # [M, 3] int32 (t, h, w) of item k at row k-1
+  pool_ids: jax.Array | np.ndarray      # [K] int32 output token per window; K: padding
 
 
 def _pixels(x: np.ndarray) -> np.ndarray:
@@ -101,12 +69,7 @@ def _patchify(frames: np.ndarray, patch_size: int, merge: int, temporal_pool: in
 
 def patchify(image: np.ndarray, *, patch_size: int = 14, merge: int = 2,
              max_patches: int | None = None) -> tuple[np.ndarray, tuple[int, int]]:
-  """image [H, W, 3] (uint8 or float) -> (patches [h*w, P*P*3] float32 in merge order, (h, w)).
-
-  Pads H and W up to multiples of patch_size * merge (module docstring). Raises ValueError
-  for a wrong shape or channel count, an image smaller than patch_size * merge on a side,
-  or more than `max_patches` patches. A patch flattens as (row, col, channel).
-  """
+  """image [H, W, 3] -> (patches [h*w, P*P*3] float32 in merge order, (h, w))."""
   image = np.asarray(image)
   if image.ndim != 3 or image.shape[-1] != 3:
     raise ValueError(f"patchify: expected [H, W, 3] RGB pixels, got shape {image.shape}")
@@ -117,11 +80,7 @@ def patchify(image: np.ndarray, *, patch_size: int = 14, merge: int = 2,
 def patchify_video(frames: np.ndarray, *, patch_size: int = 14, merge: int = 2,
                    temporal_pool: int = 2, max_patches: int | None = None
                    ) -> tuple[np.ndarray, tuple[int, int, int]]:
-  """frames [T, H, W, 3] -> (patches [T*h*w, P*P*3] in merge order, (T, h, w)).
-
-  T must be a multiple of temporal_pool (frames are mean-pooled in groups of that many
-  after the tower); otherwise as `patchify`.
-  """
+  """frames [T, H, W, 3] -> (patches [T*h*w, P*P*3], (T, h, w)); T % temporal_pool == 0."""
   frames = np.asarray(frames)
   if frames.ndim != 4 or frames.shape[-1] != 3:
     raise ValueError(f"patchify_video: expected [T, H, W, 3] RGB frames, got shape {frames.shape}")
@@ -135,11 +94,8 @@ def pack(items: Sequence[tuple[np.ndarray, Sequence[int]]], *, max_patches: int,
          max_media: int, merge: int = 2, temporal_pool: int = 2
          ) -> tuple[PackedMedia, list[int]]:
   """Pack patchified items [(patches, (h, w) or (t, h, w)), ...] into one PackedMedia.
-
-  Returns the buffers and the number of output tokens of each item (the text must hold
-  that many placeholder tokens for it, in the same order). Raises ValueError when the
-  items need more than max_patches patches or max_media items.
-  """
+  Returns it and each item's output-token count (its placeholders in the text).
+  ValueError past max_patches or max_media."""
   if max_patches % (merge * merge * temporal_pool):
     raise ValueError(f"pack: max_patches={max_patches} must be a multiple of "
                      f"merge**2 * temporal_pool = {merge * merge * temporal_pool}")

@@ -1,13 +1,8 @@
 """Does a train step fit? Per-chip HBM: capacities, the train state's share, the compiled
 step's needs.
 
-Two checks, cheapest first: `check_state_fits` from the shardings alone (no compile: refuses
-k3_full on 4 chips in seconds), then `compile_report` / `check_fits` from XLA's memory
-analysis of the compiled step (a step XLA cannot fit into HBM at all fails to compile:
-MemoryError with XLA's numbers). `preflight` runs both against the HBM of the mesh's
-devices: `k3jax.train` before its first step wherever that size is known, `k3jax.aot` for a
-TPU topology from any host.
-"""
+`check_state_fits` (shardings alone, no compile), then `compile_report` / `check_fits`
+(XLA's memory analysis); `preflight` runs both for `k3jax.train` and `k3jax.aot`."""
 
 from __future__ import annotations
 
@@ -21,9 +16,8 @@ import jax
 from k3jax import flops, parallel, program
 
 GIB = 2 ** 30
-# HBM per JAX device, matched in order against device_kind (lowercase). A v5p chip's two
-# TensorCores form one "megacore" device; an Ironwood chip's two dies are two devices of
-# half its 192 GiB each (libtpu's tpu7x:8x8x8 is 512 chips, 1,024 devices).
+# HBM per JAX device, matched in order against device_kind (lowercase); an Ironwood chip
+# is two devices.
 HBM_BYTES: tuple[tuple[str, int], ...] = (
     ("v5 lite", 16 * GIB),   # v5e
     ("v6 lite", 32 * GIB),   # v6e (Trillium)
@@ -60,8 +54,7 @@ class Report:
 
   @property
   def total_bytes(self) -> int:
-    """Live at the peak: arguments, outputs not aliased to (donated) arguments, temporaries,
-    code."""
+    """Live at the peak: arguments, unaliased outputs, temporaries, code."""
     return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
             + self.code_bytes)
 
@@ -94,8 +87,7 @@ class Report:
 
 
 def state_bytes_per_chip(prog: program.Program) -> int:
-  """Bytes of the train state (parameters, other state, optimizer state) on the most loaded
-  device, from the shardings alone: no compile."""
+  """Train-state bytes on the most loaded device, from the shardings alone."""
   per_device = {}
   for x in jax.tree.leaves(prog.abstract_state):
     nbytes = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
@@ -105,8 +97,7 @@ def state_bytes_per_chip(prog: program.Program) -> int:
 
 
 def check_state_fits(prog: program.Program, capacity: int | None) -> int:
-  """The train state's bytes on the most loaded chip (`state_bytes_per_chip`); MemoryError
-  before any compile when they alone exceed a chip's HBM."""
+  """MemoryError, before any compile, when the state alone exceeds a chip's HBM."""
   need = state_bytes_per_chip(prog)
   if capacity is not None and need > capacity:
     device = prog.mesh.devices.flat[0]
@@ -119,8 +110,7 @@ def check_state_fits(prog: program.Program, capacity: int | None) -> int:
 
 
 def compile_report(prog: program.Program) -> tuple[Report, jax.stages.Compiled]:
-  """Lowers and compiles `prog`'s train step on abstract arrays: (its memory and FLOPs, the
-  executable, which runs the step on arrays sharded like `prog.abstract_state`)."""
+  """(memory and FLOPs report, executable) of `prog`'s train step compiled on abstract arrays."""
   device = prog.mesh.devices.flat[0]
   t0 = time.time()
   lowered = prog.lower_train_step()
@@ -168,11 +158,7 @@ def check_fits(report: Report) -> None:
 
 def preflight(prog: program.Program, *, log=print,
               step_time: float | None = None) -> tuple[Report | None, Any]:
-  """The fit checks before a run, against the HBM of `prog`'s mesh devices: the train state
-  from the shardings (no compile), then the compiled step (its report goes to `log`).
-  MemoryError naming the need and the per-chip capacity when either does not fit. Returns
-  (report, the compiled train step), or (None, the jitted train step) where the devices'
-  HBM size is unknown (CPU): nothing to check, nothing compiled."""
+  """Both fit checks: (report, compiled step), or (None, jitted step) on CPU."""
   capacity = hbm_bytes(prog.mesh.devices.flat[0])
   need = check_state_fits(prog, capacity)
   if capacity is None:

@@ -1,33 +1,7 @@
-"""Training metrics: a JSONL log and TensorBoard event files, plus timing helpers.
+"""Training metrics: <workdir>/metrics.jsonl and TensorBoard events (tensorboardX, local only).
 
-`MetricWriter` writes every `write_scalars(step, scalars)` call twice:
-  <workdir>/metrics.jsonl   one JSON object per call, {"step": s, "wall_time": t, **scalars},
-                            appended to, so a resumed run continues the file. Non-finite
-                            values are written as NaN / Infinity, which Python's json and
-                            pandas read.
-  <workdir>/tensorboard/    TensorBoard event files (one new file per process start).
-
-The workdir may be a local path or an object-store URL (`gs://bucket/run`: `k3jax.paths`,
-through etils.epath). Locally metrics.jsonl is appended to line by line. An object store
-has no append: the writer keeps the file's records in memory and rewrites the whole object
-at each `flush()` and at `close()` (one upload; a kill loses the records since the last
-flush, never leaves half a line). metrics.jsonl stays small (a record per logged step), so
-the rewrite is cheap next to a checkpoint. TensorBoard stays local-only: tensorboardX writes
-to `gs://` only with extra packages, so a URL workdir gets metrics.jsonl alone (a warning
-says so).
-
-A run that resumes from step S passes `resume_step=S`: the lines a killed run wrote past S
-(and a line cut short by the kill) are dropped from metrics.jsonl, and TensorBoard is told
-to purge its events past S, so each step is logged once.
-
-TensorBoard events are written with tensorboardX: it is small, pure Python on top of
-protobuf, and writes the standard event format without TensorFlow, PyTorch or the
-`tensorboard` package (which is only needed to *view* the files). clu/`tf.summary` would
-pull in TensorFlow.
-
-Only one process should write (`enabled=jax.process_index() == 0`); a disabled writer
-creates no files and ignores every call.
-"""
+`MetricWriter.write_scalars(step, scalars)` appends a JSON line (rewritten whole at `flush()`
+on object stores); `resume_step=S` drops records past S. Only process 0 writes (`enabled`)."""
 
 from __future__ import annotations
 
@@ -49,7 +23,6 @@ TB_DIR = "tensorboard"
 
 
 def _scalar(value: Any) -> int | float:
-  """A Python number from a Python/numpy/jax scalar (a 0-d or size-1 array)."""
   arr = np.asarray(value)
   if arr.size != 1:
     raise ValueError(f"metric value must be a scalar, got shape {arr.shape}")
@@ -156,7 +129,6 @@ def _drop_partial_line(path: str) -> None:
 
 
 def _drop_steps_after(path: str, step: int) -> None:
-  """Rewrite `path` without its records past `step`."""
   f = epath.Path(path)
   if not f.exists():
     return
@@ -167,8 +139,7 @@ def _drop_steps_after(path: str, step: int) -> None:
 
 
 def _replace(f: epath.Path, data: bytes) -> None:
-  """`f` holding `data`, never half of it: locally a new file renamed over; an object-store
-  write is atomic by itself (the object appears when its upload completes)."""
+  """`f` holding `data`, never half of it (local: rename over; object stores are atomic)."""
   if paths.is_url(f):
     f.write_bytes(data)
     return
@@ -200,15 +171,11 @@ def format_duration(seconds: float) -> str:
 
 class StepTimer:
   """Throughput and ETA between log points.
-
     timer = StepTimer(tokens_per_step=B * T, total_steps=cfg.train.steps, start_step=step)
     ...  # after the first (compiling) step: timer.reset(step)
-    rates = timer.update(step)   # {"steps_per_sec", "tokens_per_sec", "step_time",
-                                 #  "eta_seconds"} over the steps since the last call
+    rates = timer.update(step)   # steps_per_sec, tokens_per_sec, step_time, eta_seconds
 
-  Call it after the device work of `step` is done (e.g. after fetching the loss), or the
-  rates measure dispatch, not compute.
-  """
+  Call it after the step's device work is done, or it measures dispatch."""
 
   def __init__(self, *, tokens_per_step: int, total_steps: int, start_step: int = 0,
                clock=time.perf_counter):

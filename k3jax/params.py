@@ -2,12 +2,8 @@
 
   python -m k3jax.params --config=experiments/k3_full.py
 
-Prints a per-component table, then as its last line JSON {"total": N, "active": N}.
-Active = every parameter a token uses: all non-routed parameters plus top_k/num_experts
-of the routed expert weights, excluding the input embedding table (the LM head counts)
-and the vision tower (it runs per image patch, not per text token; rows `vision_tower`
-and `vision_projector`, counted in the total).
-"""
+Prints a per-component table, then JSON {"total": N, "active": N}; active counts top_k /
+num_experts of the routed weights and leaves out the input embedding and vision tower."""
 
 from __future__ import annotations
 
@@ -74,8 +70,7 @@ def count(cfg) -> tuple[dict[str, int], int, int]:
 
 
 def table(rows: dict[str, int], total: int, active: int) -> str:
-  """The per-component table (largest first, then total and active), each column as wide as
-  its widest entry: names left-aligned, counts and shares right-aligned."""
+  """The per-component table, largest first, then total and active."""
   body = [(name, f"{n:,}", f"{n / total:.2%}")
           for name, n in sorted(rows.items(), key=lambda kv: -kv[1])]
   lines = [("component", "parameters", "share"), *body,

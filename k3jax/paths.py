@@ -1,18 +1,8 @@
-"""One path layer for workdirs, metrics and data files: local paths and object-store URLs.
+"""Local paths and object-store URLs for workdirs, metrics and data, through `etils.epath`.
 
-Everything goes through `etils.epath` (Orbax's own path type). A URL (`gs://`, `s3://`,
-`az://`, `hf://`: the schemes epath knows) is kept as it is; a local path has its `~`
-expanded. epath reads `gs://` through TensorFlow's gfile when TensorFlow is installed, else
-through fsspec, which needs `gcsfs` (`s3fs`, `adlfs`) at use time, not at import.
+  path("gs://bucket/run") / "metrics.jsonl";  glob("gs://bucket/data/*.txt")   # sorted
 
-  path("gs://bucket/run") / "metrics.jsonl"     # epath.Path('gs://bucket/run/metrics.jsonl')
-  path("runs/x", absolute=True)                 # epath.Path('/cwd/runs/x')
-  glob("gs://bucket/data/*.txt")                # ['gs://bucket/data/a.txt', ...], sorted
-
-Object stores differ from a disk: no append mode (a write replaces the whole object), no
-free-space figure, and epath refuses a recursive `**` glob on them (one listing per level
-of a bucket could be thousands of requests).
-"""
+Object stores have no append, no free-space figure and no `**` glob."""
 
 from __future__ import annotations
 
@@ -21,7 +11,7 @@ import os
 
 from etils import epath
 
-_MAGIC = "*?["   # glob wildcards
+_MAGIC = "*?["
 
 
 def is_url(p: epath.PathLike) -> bool:
@@ -30,8 +20,7 @@ def is_url(p: epath.PathLike) -> bool:
 
 
 def path(p: epath.PathLike, *, absolute: bool = False) -> epath.Path:
-  """`p` as an epath.Path: a URL unchanged, a local path with `~` expanded (and made
-  absolute with `absolute`: Orbax's tensorstore writer refuses relative paths)."""
+  """`p` as an epath.Path, `~` expanded (absolute with `absolute`)."""
   if isinstance(p, epath.Path) and is_url(p):
     return p
   s = os.fspath(p)
@@ -42,9 +31,7 @@ def path(p: epath.PathLike, *, absolute: bool = False) -> epath.Path:
 
 
 def glob(pattern: str) -> list[str]:
-  """Paths matching `pattern`, sorted. Local: Python's glob (`**` recurses, `~` expands).
-  URL: epath's glob from the deepest directory without wildcards (no `**`); a URL without
-  wildcards matches itself if it exists."""
+  """Paths matching `pattern`, sorted (URLs: no `**`)."""
   if not is_url(pattern):
     return sorted(glob_lib.glob(os.path.expanduser(pattern), recursive=True))
   first = min((i for i in (pattern.find(c) for c in _MAGIC) if i >= 0), default=-1)

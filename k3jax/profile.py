@@ -1,12 +1,7 @@
 """Profiler traces of chosen train steps: `python -m k3jax.train --profile_steps=N[,M]`.
 
-Steps N to M (counted from 1 as the run logs them, inclusive; N alone: that one step) are
-traced with the JAX profiler into `<workdir>/profile/`: the xplane files TensorBoard and
-xprof open, a Perfetto copy, and the train step's HLO text (`train_step.hlo.txt`), whose op
-names `benchmarks/gpu_trace.py <workdir>/profile` maps the kernels to the model's named
-scopes with, giving the step's time per component. Step 1 includes the compile: trace a
-later one.
-"""
+Steps N..M (1-based, inclusive) go to `<workdir>/profile/`: xplane, Perfetto and
+`train_step.hlo.txt` (for `benchmarks/gpu_trace.py`). Step 1 includes the compile."""
 
 from __future__ import annotations
 
@@ -36,11 +31,7 @@ def parse_steps(spec: str | None) -> tuple[int, int] | None:
 
 @contextlib.contextmanager
 def names_in_cache_key(on: bool) -> Iterator[None]:
-  """While `on`, the persistent compilation cache keys programs by their op names too.
-
-  JAX's key leaves them out, so a cached program carries the names of the code that
-  compiled it first; a profile of it would attribute kernels to scopes since renamed.
-  """
+  """While `on`, the compilation cache keys programs by op names too (for current scopes)."""
   flag = "jax_compilation_cache_include_metadata_in_key"
   before = getattr(jax.config, flag)
   if on:
@@ -52,11 +43,7 @@ def names_in_cache_key(on: bool) -> Iterator[None]:
 
 
 class StepTrace:
-  """Starts the JAX profiler before step N runs and stops it after step M has finished.
-
-  hlo_text: returns the traced program's HLO text, written beside the trace (process 0)
-  when the trace stops.
-  """
+  """Traces steps N..M; hlo_text() is written beside the trace."""
 
   def __init__(self, steps: tuple[int, int] | None, directory: str,
                hlo_text: Callable[[], str]):
@@ -82,7 +69,7 @@ class StepTrace:
       return
     self.active = False
     jax.profiler.stop_trace()
-    if jax.process_index() == 0:   # through epath: the workdir may be a URL (gs://...)
+    if jax.process_index() == 0:
       directory = paths.path(self.directory)
       directory.mkdir(parents=True, exist_ok=True)
       (directory / "train_step.hlo.txt").write_text(self.hlo_text())

@@ -1,14 +1,9 @@
-"""The training program of a config on a mesh: abstract state, shardings, jitted steps.
-
-One builder serves `k3jax.train`, which runs the program, and `k3jax.aot`, which compiles
-it for a TPU topology without running it; what compiles in `aot` is what runs in `train`.
+"""The training program of a config on a mesh, shared by `k3jax.train` and `k3jax.aot`.
 
   program = build(cfg, mesh)
   with program.rules():                          # the model's logical axes -> the mesh
     params, rest, opt_state = program.init()     # every array created where it lives
-    params, rest, opt_state, out = program.train_step(params, rest, opt_state, batch)
-    compiled = program.lower_train_step().compile()   # abstract: nothing allocated
-"""
+    params, rest, opt_state, out = program.train_step(params, rest, opt_state, batch)"""
 
 from __future__ import annotations
 
@@ -35,18 +30,14 @@ from k3jax.steps import compute_views, make_steps
 
 
 def batch_shapes(cfg) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """{feature: (shape, dtype)} of the global batch a train step takes: what the data
-  pipeline of `cfg` gives (every text feature [global_batch, seq_len]; with data.images
-  also the per-row media)."""
+  """{feature: (shape, dtype)} of the global batch `cfg`'s pipeline gives."""
   return feature_shapes(cfg.data, seq_len=cfg.train.seq_len, batch=cfg.train.global_batch,
                         media=MediaSpec.from_config(cfg.model.vision))
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """What `build` returns. State is the triple (params, rest, opt_state) of pure pytrees:
-  the model's `nnx.Param` state, its other state (Quantile-Balancing biases) and the
-  optimizer state."""
+  """What `build` returns; state is the pure triple (params, rest, opt_state)."""
   cfg: Any
   mesh: Mesh
   graphdef: Any
@@ -84,8 +75,7 @@ class Program:
 
 
 def build(cfg, mesh: Mesh) -> Program:
-  """The program of `cfg` (validated) on `mesh`; ConfigError when the batch or a parameter
-  does not split over the mesh."""
+  """The program of `cfg` on `mesh`; ConfigError if the batch or a parameter won't split."""
   t = cfg.train
   table = parallel.rules(cfg.mesh.expert_splits)
   batch_axes, seq_axes = (axes.mesh_axes(name, table) for name in ("batch", "seq"))
@@ -133,8 +123,7 @@ def build(cfg, mesh: Mesh) -> Program:
 
 
 def batch_shardings(cfg, mesh: Mesh) -> dict[str, NamedSharding]:
-  """Each feature of the global batch sharded by its leading dims: text features [B, T] as
-  [batch, seq] (`parallel.batch_spec`), the media (`media_*`) by their rows alone."""
+  """Batch shardings: text [B, T] as [batch, seq], `media_*` by rows alone."""
   text = parallel.batch_spec(parallel.rules(cfg.mesh.expert_splits))
   return {name: NamedSharding(mesh, P(text[0]) if name.startswith("media_") else text)
           for name in batch_shapes(cfg)}
@@ -146,13 +135,9 @@ DETERMINISTIC = {"gpu": {"xla_gpu_deterministic_ops": "true"}}
 
 def compiler_options(spec: str, mesh: Mesh, *,
                      deterministic: bool = False) -> dict[str, str | bool] | None:
-  """The options of config.train.xla_options that apply on `mesh`'s platform (with
-  `deterministic`, also that platform's `DETERMINISTIC` ones), checked by compiling a
-  scalar program on the mesh with them: ConfigError naming an option that platform's XLA
-  does not know (before the real compile, which can take an hour).
-
-  On CPU and GPU, "true" / "false" (any case) become bools: XLA's own options there refuse
-  those strings; TPU compiler flags take them as they are."""
+  """train.xla_options (and `DETERMINISTIC` ones) for `mesh`'s platform, checked by
+  compiling a scalar program first: ConfigError naming an unknown option. "true"/"false"
+  become bools on CPU and GPU."""
   platform = mesh.devices.flat[0].platform
   options = xla_options(spec, platform)
   if deterministic:
@@ -170,8 +155,7 @@ def compiler_options(spec: str, mesh: Mesh, *,
   return options
 
 
-# Config fields that change nothing the program computes (logging, evaluation and
-# checkpoint cadence, the data source): configs that differ only here share one program.
+# Config fields the program does not depend on: configs differing only here share one.
 RUN_ONLY_FIELDS = ("train.log_every", "train.eval_every", "train.eval_batches",
                    "train.eval_text", "train.eval_choices", "train.compilation_cache",
                    "train.checkpoint_every", "train.keep_checkpoints",
@@ -185,9 +169,7 @@ _KEEP_BUILT = 2
 
 
 def build_once(cfg, mesh: Mesh) -> Program:
-  """`build`, remembered per process: a later run in the same process (a resumed run, a
-  sweep or notebook calling `k3jax.train.train` again, a test) with the same program
-  reuses its traced and compiled steps. The last two programs are kept."""
+  """`build`, cached per process (the last two programs)."""
   fields = cfg.to_dict()
   for dotted in RUN_ONLY_FIELDS:
     *parents, leaf = dotted.split(".")
@@ -206,8 +188,7 @@ def build_once(cfg, mesh: Mesh) -> Program:
 
 
 def restored_model(cfg, workdir: str) -> tuple[int, K3Model]:
-  """(step, the config's model with the parameters of `workdir`'s latest checkpoint, a
-  run's or a weights checkpoint's), on the config's mesh: what generate and eval read."""
+  """(step, the model with `workdir`'s latest checkpoint's parameters), for generate/eval."""
   prog = build_once(cfg, parallel.make_mesh(cfg.mesh))
   step, params, rest = checkpoint.restore_params(
       workdir, prog.abstract_state, config_json=cfg.to_json(),

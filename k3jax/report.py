@@ -1,17 +1,6 @@
-"""A sweep's report: DIR/report.md, a table and PNG figures, from its runs' metrics.jsonl.
+"""A sweep's report: DIR/report.md with a table and PNG figures, from its runs' metrics.jsonl.
 
-  python -m k3jax.report --workdir=/tmp/oq        # after (or during) python -m k3jax.sweep
-
-Reads DIR/sweep.json (`k3jax.sweep_spec`: the arms, their overrides and configs) and each
-run's metrics.jsonl (`k3jax.metrics`). A table, per arm over its seeds: the held-out loss
-at the last step (`eval_loss` at train.steps: mean ± std, finished runs), the median of the
-logged tokens/s, the parameters (total, active: `k3jax.params`, nothing allocated), the
-expert load (`moe_mean_max_load`: the busiest expert's load over the mean, averaged over MoE
-layers; median of the last tenth of the steps). Figures: the final held-out loss of every
-seed; per group of arms (the sweep's `groups`), training and held-out loss against steps
-and tokens, the seeds' mean with their range as a band; tokens/s and parameters; the expert
-load. Runs still under way count with the steps they have.
-"""
+  python -m k3jax.report --workdir=/tmp/oq        # after (or during) python -m k3jax.sweep"""
 
 from __future__ import annotations
 
@@ -41,7 +30,7 @@ class Arm:
   """One arm's runs: per seed its training records (with "loss") and eval records."""
   name: str
   overrides: dict
-  steps: int                        # train.steps
+  steps: int
   tokens_per_step: int
   train: dict[int, list[dict]]
   evals: dict[int, list[dict]]
@@ -101,8 +90,7 @@ def groups_of(record: dict) -> dict[str, list[str]]:
 
 
 def parameters(record: dict) -> dict[str, tuple[int, int]]:
-  """arm -> (total, active) parameters, from its config (nothing allocated; once for the
-  arms of one model config)."""
+  """arm -> (total, active) parameters, nothing allocated."""
   counted, out = {}, {}
   for name, a in record["arms"].items():
     key = json.dumps(a["config"]["model"], sort_keys=True)
@@ -120,7 +108,6 @@ _LABELS = {"loss": "training loss", "eval_loss": "held-out loss", LOAD_KEY: "exp
 
 
 def _plot_curves(ax, arms: list[Arm], key: str, tokens: bool = False):
-  """`key` per arm against steps (or tokens): the seeds' mean, their range as a band."""
   for i, arm in enumerate(arms):
     steps, mean, lo, hi = arm.curve(key)
     if not len(steps):
@@ -272,7 +259,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  # Defined here, not on import: tests import this module beside k3jax.train (--workdir).
   flags.DEFINE_string("workdir", None, "The sweep's directory (python -m k3jax.sweep).")
   flags.mark_flags_as_required(["workdir"])
   app.run(main)

@@ -1,7 +1,5 @@
-"""Scoring a model: log-likelihoods of token sequences, text scores (loss, perplexity, bits
-per byte) and multiple-choice accuracy. `python -m k3jax.eval` is the command around it
-(its module docstring describes the tasks); `k3jax.train` runs the same `Tasks` every
-`train.eval_every` steps."""
+"""Log-likelihoods, text scores (loss, perplexity, bits per byte) and multiple-choice
+accuracy, for `python -m k3jax.eval` and `k3jax.train`'s evals."""
 
 from __future__ import annotations
 
@@ -121,8 +119,7 @@ def choice_scores(scorer: Scorer, tok, items: Sequence[dict]) -> dict:
 
 
 def read_texts(files: Sequence[str]) -> list[str]:
-  """The documents of text files: plain text one document a file, `.jsonl` / `.parquet`
-  by extension (their "text" field / column)."""
+  """The documents of text, .jsonl or .parquet files."""
   docs = []
   for path in files:
     fmt = {".jsonl": "jsonl", ".parquet": "parquet"}.get(os.path.splitext(path)[1], "text")
@@ -132,9 +129,7 @@ def read_texts(files: Sequence[str]) -> list[str]:
 
 
 class Tasks:
-  """Text files scored for bits per byte and multiple-choice JSONL files, read and checked
-  once (a missing or malformed file is an error here, naming the field or flag that gave
-  it: `fields`, text's and choices'), scored on any model by `run`."""
+  """Text and multiple-choice files, checked once (errors name `fields`), scored by `run`."""
 
   def __init__(self, text: Sequence[str], choices: Sequence[str],
                fields: tuple[str, str] = ("--text", "--choices")):
@@ -158,8 +153,7 @@ class Tasks:
 
 
 def as_scalars(results: Sequence[dict]) -> dict[str, float]:
-  """`Tasks.run`'s results as metrics: eval_<task>_<score>, a JSONL task named by its file
-  name without the extension."""
+  """`Tasks.run`'s results as metrics eval_<task>_<score>."""
   out = {}
   for r in results:
     name = "text" if r["task"] == "text" else os.path.splitext(os.path.basename(r["task"]))[0]

@@ -1,13 +1,8 @@
 """The train and eval steps: loss, gradients, optimizer, and what lives outside the gradient.
 
-Pure functions over (params, rest, opt_state, batch), jitted by the caller (`k3jax.train`,
-the benchmarks). `params` is the model's `nnx.Param` state and `rest` its other state (the
-Quantile-Balancing biases), both pure (`nnx.as_pure`: arrays, no Variables); a batch holds
-"inputs", "targets", "segment_ids" [B, T] int32 and "weights" [B, T] float32, and, from a
-pipeline with images (`k3jax.data.pipeline`), the per-row PackedMedia as "media_patches",
-"media_segment_ids", ... (leading axis B): then the forward embeds them over the
-placeholder tokens (`K3Model.embed_with_images`); "weights" already hold 0 there.
-"""
+Pure functions over (params, rest, opt_state, batch), jitted by the caller; params and
+rest (the balancing biases) are `nnx.as_pure` states. A batch: "inputs", "targets",
+"segment_ids" [B, T] int32, "weights" [B, T] fp32, optionally "media_*" [B, ...]."""
 
 from __future__ import annotations
 
@@ -26,9 +21,8 @@ from k3jax.model import K3Model, mxfp4
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
                   denominator: jax.Array | None = None) -> jax.Array:
-  """Weighted next-token loss in nats, sum(nll * weights) / denominator; logits [B, T, V],
-  targets/weights [B, T]. The default denominator max(sum(weights), 1) gives the mean; a
-  microbatch passes its whole batch's, so that the microbatches' losses add up to it."""
+  """sum(nll * weights) / denominator in nats; logits [B, T, V], targets/weights [B, T].
+  Default denominator: max(sum(weights), 1); microbatches pass the whole batch's."""
   logits = logits.astype(jnp.float32)
   logz = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -39,13 +33,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
 
 def chunked_cross_entropy(logits_fn, h: jax.Array, targets: jax.Array, weights: jax.Array,
                           denominator: jax.Array | None = None, chunk: int = 0) -> jax.Array:
-  """`cross_entropy(logits_fn(h), targets, weights, denominator)`, the LM head and the loss
-  run `chunk` positions of the sequence at a time (0: all at once) under remat, so that
-  only one chunk's logits [B, chunk, V] ever exist, forward or backward (k3_full: fp32
-  [4096, 163840] is 2.5 GiB per sequence). h [B, T, d]; logits_fn: [B, c, d] -> [B, c, V];
-  T must split into chunks. Where the rules split `seq` over s devices (context
-  parallelism), each scan step takes one chunk of every device's slice ([B, s chunk]), so
-  that no device gathers another's positions; T must then split into s x chunk."""
+  """`cross_entropy(logits_fn(h), ...)` `chunk` positions at a time under remat, so only
+  [B, chunk, V] logits exist. h [B, T, d]; with `seq` split over s devices each step takes
+  a chunk of every slice, so T must split into s x chunk."""
   b, t, _ = h.shape
   if denominator is None:
     denominator = _token_count(weights)
@@ -85,10 +75,7 @@ def _token_count(weights: jax.Array) -> jax.Array:
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:
-  """[B, ...] -> [microbatches, B / microbatches, ...]. Microbatch m takes rows m,
-  m + microbatches, m + 2 * microbatches, ...: with the batch split over devices in
-  contiguous blocks of rows, every device keeps its share of every microbatch (no
-  data moves)."""
+  """[B, ...] -> [microbatches, B / microbatches, ...], strided so no data moves."""
   def split(x):
     rows = x.shape[0] // microbatches
     return jnp.swapaxes(x.reshape(rows, microbatches, *x.shape[1:]), 0, 1)
@@ -97,8 +84,7 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class ComputeView:
-  """How every use of a parameter sees it (`k3jax.model.layers.param`): quantized
-  (`quant`, "mxfp4"), then cast to `dtype`; empty strings keep the stored values."""
+  """How every use of a parameter sees it: quantized (`quant`), then cast."""
   dtype: str = ""
   quant: str = ""
 
@@ -112,9 +98,7 @@ class ComputeView:
 
 
 def compute_views(abstract_params) -> Any:
-  """Per leaf of the pure parameter state, its `ComputeView` from the metadata's
-  `compute_dtype` and `compute_quant`. abstract_params: `nnx.state(model, nnx.Param)`,
-  arrays or abstract: only metadata is read."""
+  """`ComputeView` per leaf of `nnx.state(model, nnx.Param)` (only metadata is read)."""
   def view(v):
     meta = v.get_metadata()
     return ComputeView(meta.get("compute_dtype", ""), meta.get("compute_quant", ""))
@@ -129,38 +113,15 @@ def apply_views(params, views):
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
                microbatches: int = 1, loss_chunk: int = 0, views: Any = None):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
-
-  With microbatches > 1 the batch runs as that many sequential slices (`jax.lax.scan`)
-  whose gradients, losses and aux add up to the whole batch's: the same update with a
-  slice's activation memory. The batch's rows must split evenly.
-
-  After the optimizer update the step applies what lives outside the gradient: the
-  balancing bias update (Quantile Balancing or aux-free) and QK-Clip (tau = qk_clip_tau;
-  0 only reports).
-
-  With moe.balancing "aux_loss" the gradient is that of the LM loss plus the balancing
-  loss (`K3Model.balance_loss`; a microbatch adds its share of the batch's token-weighted
-  mean); out["loss"] stays the LM loss, out["moe_aux_loss"] is the term added to it.
-
-  A step whose loss or gradient is not finite changes nothing: params, optimizer state and
-  biases come back as they went in, and out["skipped"] is 1 (0 otherwise).
-
-  loss_chunk > 0: the LM head and the loss run that many positions at a time
-  (`chunked_cross_entropy`); the same loss and gradients without the whole logits.
-
-  views: `compute_views` of the parameters (`train.cast_params_once`), or None. The leaves
-  with a view get it once per step (quantized, cast), before the microbatches, instead of in
-  every forward (and remat recompute) of the model; each microbatch's gradient of the
-  prepared copy is what the model's own cast (and straight-through quantization) would pass
-  back, so the step's gradients are the same.
-  """
+  Microbatches run under `jax.lax.scan` and sum to the batch's update. After the update:
+  the balancing bias update and QK-Clip. out["loss"] is the LM loss (plus
+  out["moe_aux_loss"] in the gradient). A non-finite step changes nothing, out["skipped"]
+  = 1. views (`train.cast_params_once`): applied once per step, same gradients."""
   def loss_fn(params, rest, batch, denominator=None, tokens=None):
-    """(LM loss + balancing loss, (LM loss, balancing loss or None, aux)). denominator
-    (the LM loss's) and tokens (the balancing loss's: valid tokens): the whole batch's,
-    for a microbatch; None: this batch's."""
+    """(LM + balancing loss, (LM loss, balancing loss, aux)); None denominators: this batch's."""
     model = nnx.merge(graphdef, params, rest)
     if views is not None:
-      model.set_attributes(weights_prepared=True)   # modules without it ignore it
+      model.set_attributes(weights_prepared=True)
     media = batch_media(batch)
     h, aux = model.hidden(batch["inputs"], batch["segment_ids"], media)
     with jax.named_scope("lm_head_loss"):
@@ -172,8 +133,7 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
     return loss if balance is None else loss + balance, (loss, balance, aux)
 
   def loss_and_grads(params, rest, batch):
-    """(LM loss, balancing loss or None, aux, grads) of the whole batch, one microbatch
-    at a time."""
+    """(LM loss, balancing loss, aux, grads) of the batch, by microbatches."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     computed = params
     if views is not None:
@@ -200,7 +160,6 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
 
   def train_step(params, rest, opt_state, batch):
     loss, balance, aux, grads = loss_and_grads(params, rest, batch)
-    # the update: its ops are the "optimizer" component of a profile (gpu_trace.py)
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
       # one NaN/Inf anywhere poisons the norm
@@ -223,7 +182,7 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
         out["moe_aux_loss"] = balance
     return params, rest, opt_state, out
 
-  def eval_step(params, rest, batch):  # the LM loss alone
+  def eval_step(params, rest, batch):
     if microbatches == 1:
       return loss_fn(params, rest, batch)[1][0]
     denominator = _token_count(batch["weights"])

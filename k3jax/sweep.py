@@ -1,18 +1,10 @@
 """Run a sweep: arms x seeds of one experiment config, each an ordinary `k3jax.train` run.
 
   python -m k3jax.sweep --sweep=experiments/sweeps/open_questions.py --workdir=/tmp/oq
-  python -m k3jax.sweep --sweep=experiments/sweeps/open_questions.py:small --workdir=DIR \
-      --print_commands
   python -m k3jax.report --workdir=/tmp/oq
 
-The sweep file's format is in `k3jax/sweep_spec.py`. Run <arm>/seed<N> is
-`python -m k3jax.train --config=... --workdir=DIR/<arm>/seed<N> --config.k=v ...` in a
-subprocess, its output appended to <run>/train.log. One that exits 0 having logged its last
-step gets <run>/sweep_done.json (its flags) and is not run again while they stay the same;
-any other is started again, and k3jax.train resumes it from its checkpoint: a killed sweep,
-rerun, continues. Runs go seed-major (seed 0 of every arm first), `--parallel` at a time.
-Every arm's config is checked before anything runs (a mistyped key names the nearest field).
-"""
+Runs are subprocesses in DIR/<arm>/seed<N> (format: sweep_spec.py; docs/sweeps.md); a rerun
+skips finished ones and resumes the rest."""
 
 from __future__ import annotations
 
@@ -32,8 +24,7 @@ from k3jax.sweep_spec import (LOG_NAME, Run, Sweep, finished, last_step, load_sw
 
 
 def visible_gpus() -> list[str]:
-  """The GPU ids this host's runs may use (CUDA_VISIBLE_DEVICES, else nvidia-smi's list);
-  none where JAX_PLATFORMS leaves GPUs out."""
+  """The GPU ids this host's runs may use."""
   if os.environ.get("JAX_PLATFORMS", "") not in ("", "cuda", "gpu"):
     return []
   if "CUDA_VISIBLE_DEVICES" in os.environ:
@@ -46,8 +37,7 @@ def visible_gpus() -> list[str]:
 
 
 def device_slots(parallel: int) -> list[dict]:
-  """The environment of each of `parallel` runs at a time: on a GPU host each its own
-  share of the GPUs (CUDA_VISIBLE_DEVICES); on a CPU they share the cores."""
+  """Per slot, the environment: its share of the GPUs, if any."""
   if parallel < 1:
     raise k3config.ConfigError(f"--parallel must be >= 1, got {parallel}")
   if parallel == 1:
@@ -66,9 +56,7 @@ def device_slots(parallel: int) -> list[dict]:
 
 
 def run_env(slot: dict, cache_dir: str | None) -> dict:
-  """A run's environment: this one, its slot's devices and, where its config keeps a
-  compilation cache, one shared by the sweep's runs (each seed of an arm loads the programs
-  the first one compiled) unless JAX_COMPILATION_CACHE_DIR names one already."""
+  """A run's environment: its slot's devices and a compilation cache shared by the sweep."""
   env = {**os.environ, **slot, "PYTHONUNBUFFERED": "1"}
   if cache_dir:
     env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
@@ -76,9 +64,7 @@ def run_env(slot: dict, cache_dir: str | None) -> dict:
 
 
 class Runner:
-  """Runs a sweep's runs, one per slot at a time, each to its log; `failed` lists those
-  that exited non-zero. SIGTERM goes on to the runs under way (each saves a checkpoint and
-  stops: k3jax.train) and ends the sweep once they have."""
+  """Runs one run per slot at a time; SIGTERM is passed on to the runs."""
 
   def __init__(self, slots: list[dict], record: dict, sweep_dir: str, log=print):
     self.slots, self.log = slots, log
@@ -109,7 +95,7 @@ class Runner:
           self._finish(*self.running.pop(i))
     finally:
       signal.signal(signal.SIGTERM, previous)
-      for _, proc, _, _ in self.running.values():   # an exception here: the runs end first
+      for _, proc, _, _ in self.running.values():
         proc.wait()
     if self.signalled is not None:
       self.log("sweep: stopped by a signal; rerun the same command to continue")
@@ -139,7 +125,7 @@ class Runner:
       return
     if self.signalled is None:
       self.failed.append(run)
-    if proc.returncode == 0:   # a SIGTERM (ours or a preemption's) saved it and stopped it
+    if proc.returncode == 0:
       self.log(f"{run.name}: stopped at step {step} of {steps} after {took}")
     else:
       self.log(f"{run.name}: exit {proc.returncode} after {took}: {last_line(run)}")
@@ -193,7 +179,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  # Defined here, not on import: tests import this module beside k3jax.train (--workdir).
   flags.DEFINE_string("sweep", None, "The sweep file, path[:arg] (experiments/sweeps/).")
   flags.DEFINE_string("workdir", None, "Runs go to <workdir>/<arm>/seed<N>.")
   flags.DEFINE_integer("parallel", 1, "Runs at a time (GPUs: each its share of them).")

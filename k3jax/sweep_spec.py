@@ -1,15 +1,8 @@
-"""A sweep file and the runs it makes: its arms and seeds, each run's k3jax.train flags and
-validated config, DIR/sweep.json (what `k3jax.report` reads), and whether a run finished.
+"""A sweep file and its runs: flags, configs, DIR/sweep.json, and whether a run finished.
 
-A sweep file (`experiments/sweeps/`) defines `get_sweep(arg=None)` returning a dict:
-  config     "experiments/k3_tiny.py[:variant]": the base config of every run
-  arms       [(name, {"model.mla_every": 2, ...}), ...]: each arm's --config overrides (a
-             list: a dict literal would keep only the last of two arms with one name)
-  seeds      [0, 1, 2]: every arm runs once per seed (--config.seed)
-  overrides  {...}, optional: for every arm (an arm's own win)
-  groups     {"question": [arm names]}, optional: the arms the report compares together
-Run <arm>/seed<N> works in DIR/<arm>/seed<N>.
-"""
+A sweep file (`experiments/sweeps/`) defines `get_sweep(arg=None)` -> {"config":
+"path[:variant]", "arms": [(name, overrides), ...], "seeds": [...], optional "overrides"
+(every arm) and "groups" ({question: [arms]})}; see docs/sweeps.md."""
 
 from __future__ import annotations
 
@@ -38,7 +31,7 @@ class Sweep:
   config: str                       # the base config: path[:variant]
   arms: dict[str, dict]             # name -> its own overrides, in the file's order
   seeds: tuple[int, ...]
-  overrides: dict                   # every arm's
+  overrides: dict
   groups: dict[str, list[str]]
 
 
@@ -96,7 +89,6 @@ def load_sweep(spec: str) -> Sweep:
 
 
 def _checked_arms(spec: str, arms) -> dict[str, dict]:
-  """{name: overrides} of the sweep's (name, overrides) pairs, in order."""
   if isinstance(arms, dict):
     _error(spec, "'arms' must be a list of (name, overrides) pairs: a dict would keep only "
            "the last of two arms with one name")
@@ -150,7 +142,7 @@ def run_config(run: Run):
                                              lock_config=True)
     fv(argv)
     cfg = holder.value
-    cfg.keys()   # a file that failed to load raises only here
+    cfg.keys()
   except Exception as e:  # noqa: BLE001  (ml_collections raises several kinds)
     raise k3config.ConfigError(
         f"arm {run.arm!r}: {cli.explain_config_error(e, argv) or e}") from None
@@ -182,7 +174,6 @@ def write_record(sweep: Sweep, runs: list[Run], workdir: str) -> dict:
 
 
 def _settings(args) -> list[str]:
-  """A run's flags less its --workdir (the same run, wherever the sweep's directory is)."""
   return [a for a in args if not a.startswith("--workdir=")]
 
 

@@ -3,19 +3,8 @@
   python -m k3jax.train --config=experiments/k3_tiny.py --workdir=/tmp/k3_tiny
   python -m k3jax.train --config=experiments/k3_tiny.py --workdir=/tmp/x --config.train.steps=50
 
-Rerunning the same command with the same workdir resumes from its latest checkpoint, with
-the same batches: a run killed at any moment (kill -9 included) and rerun trains exactly as
-an uninterrupted one, and metrics.jsonl holds each step once. SIGTERM (a preemption) during
-the steps saves a checkpoint at the end of the current step and exits cleanly; before the
-run's first step is under way (restore, compile: nothing new to save) it exits within a
-second. A step with a non-finite loss or gradient is skipped; no checkpoint is written
-while steps are being skipped, and `train.max_bad_steps` of them in a row stop the run,
-naming the checkpoint to resume from (with other settings, `train.skip_batches`).
-
-Several processes (TPU pod, GKE, SLURM; `launch/`) all run the same command; the runtime
-starts from the cluster's environment or from --coordinator_address, --num_processes,
---process_id (see k3jax/parallel/distributed.py).
-"""
+Rerunning with the workdir resumes bit-exactly; SIGTERM saves after the current step;
+non-finite steps are skipped (`train.max_bad_steps`). Multi-process: parallel/distributed.py."""
 
 from __future__ import annotations
 
@@ -40,7 +29,7 @@ from k3jax.model import K3Model
 from k3jax.parallel import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
-flags.mark_flags_as_required(["config", "workdir"])  # config: k3jax.cli
+flags.mark_flags_as_required(["config", "workdir"])
 # Multi-process runs (k3jax.parallel.distributed); unset: the environment or the cluster's.
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
@@ -81,16 +70,9 @@ class Heartbeat:
 
 
 class Preemption:
-  """SIGTERM asks for a checkpoint at the end of the current step and a clean exit; before
-  `arm()` (the run's first step not yet under way: restore, compile) it exits at once.
-
-  One process: a signal handler sets a flag, read between steps. Python runs handlers in
-  the main thread between bytecodes only, so a compile (one long call into XLA) would hold
-  it off for minutes: the signal's number also goes to a wakeup socket (set_wakeup_fd),
-  whose watcher thread exits the process while nothing new exists to save. Several
-  processes: jax.distributed's preemption service takes the notice, and
-  `reached_preemption_sync_point` (through orbax) has every process stop after the same step.
-  """
+  """SIGTERM: checkpoint at the end of the current step and exit; before `arm()`, exit at
+  once (a wakeup-fd watcher thread, since handlers wait out long XLA calls). Several
+  processes stop after the same step through jax.distributed's preemption service."""
 
   def __init__(self):
     self.signalled, self.armed, self._previous = False, False, None
@@ -138,12 +120,8 @@ class Preemption:
 
 
 class BadSteps:
-  """Counts the steps the train step skipped (non-finite loss or gradient); `limit` in a row
-  raise FloatingPointError naming the step and the newest checkpoint of `ckpt`.
-
-  `add` reads each step's out["skipped"] flag one step late, so the host never waits for
-  the step it just dispatched; `settle` reads the rest (before a log line or a save).
-  """
+  """Counts skipped steps; `limit` in a row raise FloatingPointError naming the newest
+  checkpoint. `add` reads each flag a step late so the host never waits; `settle` the rest."""
 
   def __init__(self, limit: int, ckpt: checkpoint.Checkpointer, skipped: int = 0,
                bad_run: int = 0):
@@ -169,7 +147,7 @@ class BadSteps:
 
   def stop_message(self, step: int) -> str:
     self.ckpt.wait()
-    good = self.ckpt.latest_step()   # none is written during a run of skipped steps
+    good = self.ckpt.latest_step()
     head = (f"step {step}: {self.bad_run} steps in a row with a non-finite loss or gradient "
             f"(config.train.max_bad_steps={self.limit}); stopping. ")
     if good is None:
@@ -193,12 +171,8 @@ def put_batch(batch: dict, shardings: dict[str, NamedSharding]) -> dict:
 
 def train(cfg, workdir: str, *, stop_after: int | None = None,
           profile_steps: tuple[int, int] | None = None):
-  """Trains `cfg` in `workdir`, resuming from its latest checkpoint.
-
-  stop_after: end this run after that many steps (with a checkpoint), as a preemption
-  would; rerunning continues exactly where it stopped.
-  profile_steps: (N, M) to trace steps N..M into <workdir>/profile (`k3jax.profile`).
-  """
+  """Trains `cfg` in `workdir`, resuming from its latest checkpoint; stop_after: stop (with a
+  checkpoint) after that many steps; profile_steps: (N, M) traced."""
   k3config.validate(cfg)
   preemption = Preemption()
   try:
@@ -226,8 +200,7 @@ def _train(cfg, workdir, preemption, stop_after, profile_steps):
   prog = program.build_once(cfg, mesh)
   describe_program(cfg, prog)
   checkpoint.check_free_space(ckpt.directory, prog.state_bytes)
-  # Before any state exists: the state, then the compiled step, against the devices' HBM
-  # (where its size is known; on CPU nothing is checked or compiled here).
+  # Check the state and the compiled step against HBM before allocating anything.
   _, train_step = memory.preflight(prog, log=say)
   data_iter = iter(k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
                                        seed=cfg.seed, process_index=jax.process_index(),
@@ -284,7 +257,7 @@ def _train(cfg, workdir, preemption, stop_after, profile_steps):
   finally:
     trace.close()
     heartbeat.close()
-    ckpt.close()   # waits for the saves in flight
+    ckpt.close()
     report.writer.close()
   say(f"done: step {step}, {run_steps} steps this run in "
       f"{metrics.format_duration(time.time() - run_t0)}")
@@ -303,10 +276,7 @@ def make_tokenizer(cfg):
 
 def save_unless_diverging(step: int, ckpt, bad: BadSteps, writer: metrics.MetricWriter, state,
                           data_iter, config_json: str) -> bool:
-  """Saves `state` as step `step` (after flushing the metrics, so those of every saved step
-  survive a kill after the commit), unless the step ends a run of skipped updates: that
-  state may be the start of a divergence, and the last good checkpoint must stay. True when
-  saved."""
+  """Saves `step` unless it ends a run of skipped updates; True when saved."""
   bad.settle()
   if bad.bad_run:
     say(f"step {step}: no checkpoint during {bad.bad_run} skipped step(s) in a row; "
@@ -344,9 +314,7 @@ def describe_run(cfg, tokenizer, step: int, workdir: str) -> None:
 
 
 def start_state(cfg, prog, ckpt, data_iter, workdir: str, config_json: str):
-  """(step, (params, rest, opt_state), BadSteps) to start from: the workdir's latest
-  checkpoint (its data-iterator position restored into `data_iter`), else
-  `train.init_from`'s parameters with a fresh optimizer state, else a fresh init."""
+  """(step, state, BadSteps) from the latest checkpoint, else `train.init_from`, else init."""
   t = cfg.train
   restored = ckpt.restore_latest(prog.abstract_state, config_json=config_json,
                                  must_match=k3config.RESTORE_FIELDS)
@@ -371,8 +339,7 @@ def start_state(cfg, prog, ckpt, data_iter, workdir: str, config_json: str):
 
 
 class Report:
-  """A run's log lines and metrics: the step scalars at log points, the held-out loss and
-  eval tasks at eval points."""
+  """A run's log lines and metrics at log and eval points."""
 
   def __init__(self, cfg, prog, tasks, tokenizer, heartbeat: Heartbeat,
                writer: metrics.MetricWriter, timer: metrics.StepTimer):
@@ -383,8 +350,7 @@ class Report:
     self.schedule = optim.make_schedule(cfg)
 
   def step(self, step: int, out: dict, skipped: int) -> None:
-    """Logs and writes step `step`'s outputs (waiting for them); `skipped`: the running
-    total of skipped updates."""
+    """Logs and writes step `step`'s outputs; `skipped`: the running total."""
     scalars = {k: float(np.asarray(v)) for k, v in jax.device_get(out).items()}
     self.heartbeat.done()
     rates = self.timer.update(step)
@@ -403,8 +369,7 @@ class Report:
     self.writer.write_scalars(step, scalars)
 
   def evaluate(self, step: int, params, rest) -> None:
-    """The held-out loss (and eval tasks) of the state after `step`, logged and written;
-    the time it takes is left out of the next throughput."""
+    """The held-out loss and eval tasks after `step`, outside the throughput timer."""
     prog = self.prog
     self.heartbeat.start(f"eval at step {step}")
     with prog.rules():
@@ -424,8 +389,7 @@ class Report:
 
 
 def program_text(prog, train_step) -> str:
-  """The HLO text of the compiled train step (compiled again, from the compilation cache
-  where it is on, when the run holds only the jitted function)."""
+  """The HLO text of the compiled train step."""
   if isinstance(train_step, jax.stages.Compiled):
     return train_step.as_text()
   with prog.rules():
@@ -433,22 +397,17 @@ def program_text(prog, train_step) -> str:
 
 
 def compilation_cache(workdir: str) -> str:
-  """Turns on JAX's persistent compilation cache in <workdir>/compilation_cache unless JAX
-  already has a cache directory (JAX_COMPILATION_CACHE_DIR, or set by the caller); returns
-  the directory in use. JAX stores the programs that took over
-  jax_persistent_cache_min_compile_time_secs (1 s by default) to compile."""
+  """JAX's compilation cache in <workdir>/compilation_cache unless one is set."""
   current = jax.config.jax_compilation_cache_dir
   if current:
     return current
-  path = os.fspath(paths.path(workdir) / "compilation_cache")   # JAX reads URLs via epath too
+  path = os.fspath(paths.path(workdir) / "compilation_cache")
   jax.config.update("jax_compilation_cache_dir", path)
   return path
 
 
 def eval_tasks(t):
-  """train.eval_text / eval_choices read and checked now (ConfigError naming the field),
-  as a function (model, tokenizer) -> {eval_<task>_<score>: value} that scores them in
-  rows of a microbatch (one compile, reused at every eval); None without tasks."""
+  """train.eval_text / eval_choices as (model, tokenizer) -> scores; None without."""
   if not (t.eval_text or t.eval_choices):
     return None
   def split(spec):
@@ -494,7 +453,7 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   try:
     train(cli.CONFIG.value, _WORKDIR.value, profile_steps=profile_steps)
-  except FloatingPointError as e:   # a divergence: the message says what to do, no traceback
+  except FloatingPointError as e:
     print(f"stopped: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
 

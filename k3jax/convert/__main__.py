@@ -3,14 +3,7 @@
   python -m k3jax.convert import --hf_dir=DIR --workdir=WD --config=experiments/k3_full.py
   python -m k3jax.train --config=experiments/k3_full.py --workdir=RUN \
       --config.train.init_from=WD        # step 0 from the release, fresh optimizer state
-  python -m k3jax.convert export --workdir=RUN --out=DIR --config=experiments/k3_full.py
-
-import: the config's model fields come from DIR/config.json (what k3jax cannot express is
-refused, naming the field); the weights are checked and assembled on the config's mesh,
-each process reading only its devices' rows, and stored in WD as a weights checkpoint.
-export: the latest checkpoint of WD (a run's, or a weights checkpoint) to DIR, from one
-process.
-"""
+  python -m k3jax.convert export --workdir=RUN --out=DIR --config=experiments/k3_full.py"""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""k3jax parameters written in the released Kimi K3's layout: a Hugging Face directory the
-engines that load K3 read (config.json with its text_config and MXFP4 quantization block,
-`model-XXXXX-of-0000NN.safetensors` shards, the index). One shard per layer, as released,
-then one for the embeddings, final norm, AttnRes output query and LM head, then (with
-`model.vision.enabled`) one for the vision tower and projector; each shard is
-written tensor by tensor and appears only when complete, the index last.
-"""
+"""k3jax parameters as a Hugging Face directory in the released Kimi K3's layout: config.json,
+one safetensors shard per layer, then globals and vision, each appearing when complete."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ def shard_name(k: int, n: int) -> str:
 
 def export_release(m, param: Callable[[str, int | None], np.ndarray], out_dir: str,
                    log: Callable[[str], None] = print) -> int:
-  """Writes the model of config `m` (parameters from `param(path, c)`, as in
-  `layout.tensors`) to `out_dir`; returns the bytes of tensor data."""
+  """Writes model `m` from `param(path, c)` to `out_dir`; returns the tensor bytes."""
   os.makedirs(out_dir, exist_ok=True)
   groups = list(layout.groups(m))
   weight_map, total = {}, 0

@@ -1,16 +1,7 @@
 """The released Kimi K3's `config.json` and k3jax's model config, both ways.
 
-`model_fields` reads the release's text config (`text_config`, a `KimiLinearConfig`) into
-k3jax `model.` fields; anything k3jax's pattern cannot express (a layer pattern other than
-"MLA every m layers, and the last", grouped routing, tied embeddings, MTP layers, ...) is a
-ConfigError naming the release's field. `text_config` writes the fields back under the
-release's names and values, with its quantization block, so a k3jax config round-trips.
-
-`vision_fields` / `vision_config` do the same for the release's `vision_config` (MoonViT3d
-and its projector) and k3jax's `model.vision`.
-
-Field names and meanings: the engines that load the release (sglang, vLLM, llama.cpp).
-"""
+`model_fields` / `text_config` and `vision_fields` / `vision_config` convert both ways
+(round-trip); what k3jax cannot express is a ConfigError naming the release's field."""
 
 from __future__ import annotations
 
@@ -75,8 +66,7 @@ def _fail(field: str, msg: str, section: str = "text_config"):
 
 
 def _read(section: dict, direct: dict, fixed: dict, label: str, what: str) -> dict[str, Any]:
-  """The `direct` fields of a config.json section as k3jax fields; ConfigError for one
-  missing, or for a `fixed` field of another value than k3jax's `what` computes."""
+  """The `direct` fields as k3jax fields; ConfigError for a missing or wrong `fixed` one."""
   out: dict[str, Any] = {}
   for name, field in direct.items():
     if name not in section:
@@ -99,8 +89,7 @@ def text_config_of(config: dict) -> dict:
 
 
 def model_fields(config: dict) -> dict[str, Any]:
-  """{k3jax model field (dotted, below `model.`): value} of the release's config.json
-  (top level or its text_config). ConfigError naming the field k3jax cannot express."""
+  """{dotted `model.` field: value} of the release's config.json; ConfigError if inexpressible."""
   t = text_config_of(config)
   out = _read(t, DIRECT, FIXED, "text_config", "model")
   if t.get("num_key_value_heads", t["num_attention_heads"]) != t["num_attention_heads"]:
@@ -140,8 +129,7 @@ def model_fields(config: dict) -> dict[str, Any]:
 
 
 def vision_fields(config: dict) -> dict[str, Any]:
-  """{k3jax model field: value} of the release's top-level `vision_config` ({} without
-  one). ConfigError naming the field k3jax's tower cannot express."""
+  """{k3jax model field: value} of the release's `vision_config` ({} without one)."""
   v = config.get("vision_config")
   if v is None:
     return {}
@@ -187,8 +175,7 @@ def vision_config(model: ml_collections.ConfigDict) -> dict:
 
 
 def apply(cfg: ml_collections.ConfigDict, config: dict) -> ml_collections.ConfigDict:
-  """cfg with its `model.` fields set from the release's config.json (`model.vision`'s
-  too where it has a vision_config; whether the tower is built stays cfg's choice)."""
+  """cfg with its `model.` fields set from the release's config.json."""
   for field, value in {**model_fields(config), **vision_fields(config)}.items():
     node = cfg.model
     *path, last = field.split(".")
@@ -199,8 +186,7 @@ def apply(cfg: ml_collections.ConfigDict, config: dict) -> ml_collections.Config
 
 
 def text_config(model: ml_collections.ConfigDict, *, quantized: bool = True) -> dict:
-  """The release's text_config fields for a k3jax model config (quantized: with the MXFP4
-  quantization block of the routed experts)."""
+  """The release's text_config for a k3jax model config."""
   def get(field):
     node = model
     for part in field.split("."):

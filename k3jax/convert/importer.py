@@ -1,17 +1,8 @@
 """The released Kimi K3's weights (a Hugging Face directory) as k3jax parameters.
 
-`load_release` checks the directory against the text model of the config (every tensor
-the layout needs present with its dtype and shape, no unknown ones, every file the index
-names readable and holding what the index says), then assembles each parameter on its
-devices from reads of only the rows each process holds (`stream.assemble`).
-`write_weights` stores the result as a weights checkpoint (a `Checkpointer` directory
-whose step 0 holds (params, rest) and the config) that `k3jax.train` starts from with
-`--config.train.init_from=DIR`.
-
-The vision tower and projector (`vision_tower.*`, `mm_projector.*`) are read when the
-config builds the tower (`model.vision.enabled`, in the release's form:
-`vision_layout.check_release_form`); a text-only config skips them.
-"""
+`load_release` checks every tensor's presence, dtype and shape, then assembles the
+parameters per process (`stream.assemble`); the vision tower only with
+`model.vision.enabled`. `write_weights` writes a checkpoint for `train.init_from`."""
 
 from __future__ import annotations
 
@@ -29,8 +20,7 @@ IMPORT_THREADS = 4
 
 
 def read_headers(hf_dir: str) -> dict[str, safetensors.TensorInfo]:
-  """name -> TensorInfo of every tensor of the directory's files, each where the index
-  says it is (FormatError naming the file otherwise)."""
+  """name -> TensorInfo of every tensor, checked against the index."""
   files = safetensors.read_index(hf_dir)
   infos: dict[str, safetensors.TensorInfo] = {}
   for file in sorted(set(files.values())):
@@ -45,8 +35,7 @@ def read_headers(hf_dir: str) -> dict[str, safetensors.TensorInfo]:
 
 
 def check_tensors(m, infos: dict[str, safetensors.TensorInfo], hf_dir: str) -> None:
-  """FormatError naming the first tensor that is missing, of another dtype or shape than
-  the text model of `m` needs, or unknown to it."""
+  """FormatError naming the first missing, mismatched or unknown tensor."""
   want = layout.expected(m)
   for name, (dtype, shape) in want.items():
     info = infos.get(name)
@@ -69,8 +58,7 @@ def param_path(keys) -> str:
 
 
 def load_release(hf_dir: str, m, abstract: tuple, log: Callable[[str], None] = print):
-  """(params, rest) of config model `m` from the release directory; `abstract` gives
-  their ShapeDtypeStructs with shardings (`program.build(...).abstract_state[:2]`)."""
+  """(params, rest) of model `m` from the release, into `abstract`'s shardings."""
   infos = read_headers(hf_dir)
   check_tensors(m, infos, hf_dir)
   skipped = 0 if m.vision.enabled else sum(n.startswith(NOT_READ) for n in infos)
@@ -85,8 +73,7 @@ def load_release(hf_dir: str, m, abstract: tuple, log: Callable[[str], None] = p
   sources = layout.sources(m, release)
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
   progress = stream.Progress(total, log=lambda msg: log(f"import: {msg}"))
-  # arrays assembled IMPORT_THREADS at a time: NumPy's copies and the device puts release
-  # the GIL, so reads, dequantization and transfers of different arrays overlap
+  # several arrays at a time: copies and device puts release the GIL
   with concurrent.futures.ThreadPoolExecutor(IMPORT_THREADS) as pool:
     futures = tuple(jax.tree_util.tree_map_with_path(
         lambda keys, a: pool.submit(stream.assemble, a, sources[param_path(keys)], progress),
@@ -95,8 +82,7 @@ def load_release(hf_dir: str, m, abstract: tuple, log: Callable[[str], None] = p
 
 
 def write_weights(directory: str, params, rest, config_json: str) -> None:
-  """A weights checkpoint: step 0 of a `Checkpointer` in `directory` holding
-  (params, rest) and the config."""
+  """A weights checkpoint: step 0 holding (params, rest) and the config."""
   ckpt = checkpoint.Checkpointer(directory, keep=1)
   ckpt.save(0, (params, rest), None, config_json, force=True)
   ckpt.close()

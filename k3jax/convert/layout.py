@@ -1,21 +1,8 @@
-"""Where each k3jax parameter lives in the released Kimi K3 checkpoint (the vision tower's
-rules: `vision_layout`).
+"""Where each k3jax parameter lives in the released Kimi K3 checkpoint (vision: `vision_layout`).
 
-`rules(model_cfg)` lists `Rule`s: a group of k3jax parameter paths (as `nnx.state` flattens
-them, "/"-joined; scanned cycles carry a leading axis of cycles) and the release tensors
-they come from. A rule loads (release sources -> one `stream.Source` per parameter, for any
-box of it) and saves (parameter arrays -> release arrays, in the release's dtypes).
-
-The release's conventions (from the engines that load it): torch weights [out, in] with
-heads flattened head-major (h * D + d); names under `language_model.model.layers.{L}.`
-(0-based L); MLA and KDA under `self_attn.`; the dense FFN under `mlp.`, the LatentMoE under
-`block_sparse_moe.` with routed experts `experts.{e}.w1` (gate), `w3` (up), `w2` (down) in
-MXFP4 and the shared experts fused into one MLP (their hidden units side by side); KDA's
-`A_log` zero-padded to at least head_dim entries, its conv taps [H * D, 1, W] with the last
-tap on the current token (k3jax: the first); AttnRes queries [1, d]. fp32 in the release:
-A_log, dt_bias, the convs, KDA's o_norm and the router's bias; the experts uint8; the rest
-bf16.
-"""
+`rules(model_cfg)` lists `Rule`s mapping "/"-joined parameter paths to release tensors both
+ways. The release: torch [out, in], heads head-major, MXFP4 routed experts, fused shared
+experts, reversed conv taps; fp32 A_log, dt_bias, convs, o_norm, router bias; the rest bf16."""
 
 from __future__ import annotations
 
@@ -38,10 +25,7 @@ LAYERS = TEXT + "model.layers."
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  """k3jax parameters `paths` <-> release tensors `names` (with their `dtypes`).
-
-  load(sources) -> one Source per path, given one Source per name (boxes in the release
-  tensors' shapes); save(arrays) -> one array per name, given one array per path."""
+  """k3jax parameters `paths` <-> release tensors `names`: `load` Sources, `save` arrays."""
   paths: tuple[str, ...]
   names: tuple[str, ...]
   dtypes: tuple[np.dtype, ...]
@@ -59,21 +43,19 @@ def _span_gather(src: Source, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
   """src[rows][:, cols] for index arrays, reading the rows' covering span once."""
   r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
   block = src(((int(r0), int(r1)), (int(c0), int(c1))))
-  if _contiguous(rows) and _contiguous(cols):       # the usual box: no gather needed
+  if _contiguous(rows) and _contiguous(cols):
     return block
   return block[np.ix_(rows - r0, cols - c0)]
 
 
 def _flat(box: Box, shape: tuple[int, ...]) -> np.ndarray:
-  """Flat (row-major) indices of the box's elements in an array of `shape`."""
   grids = np.meshgrid(*[np.arange(a, b) for a, b in box], indexing="ij")
   return np.ravel_multi_index(tuple(g.ravel() for g in grids), shape) if box else np.zeros(1, int)
 
 
 def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, row_offset: int = 0,
            col_offset: int = 0) -> Callable[[Source], Source]:
-  """A k3jax kernel [*in_shape, *out_shape] from a torch weight [out, in] (flattened
-  row-major), optionally at an offset into a larger (fused) weight."""
+  """A k3jax kernel [*in, *out] from a torch weight [out, in], at an optional offset."""
   n_in = len(in_shape)
 
   def load(src: Source) -> Source:
@@ -113,16 +95,14 @@ def dense_weight(path, name, in_shape, out_shape, dtype=BF16) -> Rule:
 
 
 def vector_weight(path, name, n, dtype=BF16, shape=None) -> Rule:
-  """A vector parameter of n entries; `shape`: the release's (e.g. [1, d] for an AttnRes
-  query)."""
+  """A vector parameter of n entries; `shape`: the release's."""
   shape = shape or (n,)
   return one_tensor(path, name, dtype, shape, whole(lambda x: x.reshape(-1)),
                     lambda w: w.reshape(shape).astype(dtype))
 
 
 def _conv(path, name, width, heads, dim) -> Rule:
-  """k3jax taps [W, H, D] (tap j on token t - j) <-> the release's [H * D, 1, W] (last tap
-  on the current token)."""
+  """k3jax taps [W, H, D] (tap 0 current) <-> the release's [H * D, 1, W] (last current)."""
   return one_tensor(path, name, F32, (heads * dim, 1, width),
                     whole(lambda x: x.reshape(heads, dim, width)[..., ::-1].transpose(2, 0, 1)),
                     lambda w: w[::-1].transpose(1, 2, 0).reshape(heads * dim, 1, width).astype(F32))
@@ -192,8 +172,6 @@ def _dense_ffn(m, pre: str, path: str) -> list[Rule]:
 
 
 def _shared(m, s: str, p: str) -> list[Rule]:
-  """The shared experts, one fused MLP in the release: expert i's hidden units are rows
-  (gate, up) or columns (down) i * width ..."""
   d, n, width = m.d_model, m.moe.num_shared, m.moe.shared_dim
   rules = []
   for part, name, n_in in (("w_g", "gate_proj", 1), ("w_u", "up_proj", 1),
@@ -273,15 +251,13 @@ def global_rules(m) -> list[Rule]:
 
 @dataclasses.dataclass(frozen=True)
 class Binding:
-  """One k3jax parameter: the rule (and its index among the rule's paths) of each release
-  layer it stacks (one entry, `stacked` False, for a parameter of a single layer)."""
+  """One k3jax parameter: its (rule, index) per release layer it stacks."""
   parts: tuple[tuple[Rule, int], ...]
   stacked: bool
 
 
 def bindings(m) -> dict[str, Binding]:
-  """k3jax parameter path -> Binding, for every text-model parameter of config `m`
-  (a model ConfigDict): the prefix layers, the scanned cycles (stacked), the suffix."""
+  """k3jax parameter path -> Binding, for every text-model parameter of `m`."""
   plan = layer_plan(m)
   out: dict[str, list] = {}
 
@@ -309,8 +285,7 @@ def bindings(m) -> dict[str, Binding]:
 
 
 def sources(m, release: Callable[[str], Source]) -> dict[str, Source]:
-  """k3jax parameter path -> its Source, given `release(name)`, a Source per release tensor
-  (for an MXFP4 weight, `release(packed name)` gives the dequantized weight [out, in])."""
+  """k3jax parameter path -> Source, given a Source per release tensor `release(name)`."""
   out = {}
   for path, binding in bindings(m).items():
     per_layer = [rule.load([release(n) for n in rule.names])[i] for rule, i in binding.parts]
@@ -328,10 +303,7 @@ def expected(m) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
 
 
 def groups(m):
-  """The release's tensor groups in its shard order, (label, [(rule, c), ...]) (c: the
-  index along a stacked parameter's leading axis, scanned cycle or vision block, else
-  None): each layer, the globals, then with `model.vision.enabled` the tower and
-  projector."""
+  """(label, [(rule, stacked index or None), ...]) groups in the release's shard order."""
   plan = layer_plan(m)
   for i in range(len(plan.mixers)):
     if i < plan.prefix:
@@ -351,9 +323,7 @@ def groups(m):
 
 
 def tensors(m, param: Callable[[str, int | None], np.ndarray]):
-  """The release tensors (name, array), in shard order, of the k3jax parameters that
-  `param(path, c)` returns (c: the index along a stacked parameter's leading axis, else
-  None)."""
+  """(name, array) release tensors in shard order from `param(path, stacked index)`."""
   for _, pairs in groups(m):
     for rule, c in pairs:
       yield from zip(rule.names, rule.save([param(p, c) for p in rule.paths]))

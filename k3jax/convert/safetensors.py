@@ -1,16 +1,8 @@
 """The safetensors format, read by byte ranges and written tensor by tensor.
 
-A file is an 8-byte little-endian header length N, N bytes of JSON (space-padded), then
-the tensors' bytes, row-major, little-endian. The JSON maps each name to
-{"dtype", "shape", "data_offsets": [begin, end]} (offsets into the data after the header)
-and may hold "__metadata__" (str -> str). A checkpoint of several files has an index,
-`model.safetensors.index.json`: {"metadata": {"total_size": bytes}, "weight_map": {name:
-file}}.
-
-Written here rather than taken from the `safetensors` package: reading a slice of rows
-must touch only those rows' bytes (a 1.45 TiB checkpoint read by many hosts), and the
-format is small enough to own.
-"""
+A file: 8-byte LE header length, JSON header ({name: {"dtype", "shape", "data_offsets"}}),
+then the data; several files have `model.safetensors.index.json`. Own code, since reading a
+slice of rows must touch only those rows' bytes."""
 
 from __future__ import annotations
 
@@ -33,14 +25,12 @@ _HEADER_MAX = 100 * 2**20
 
 
 class FormatError(ValueError):
-  """A safetensors file or index that cannot be read as one; the message names the file
-  (and the tensor, where one is at fault)."""
+  """An unreadable safetensors file or index; the message names it."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-  """Where one tensor lies: `file`, its dtype and shape, and its bytes [begin, end) in the
-  file (absolute offsets)."""
+  """One tensor's file, dtype, shape and absolute byte range."""
   file: str
   name: str
   dtype: np.dtype
@@ -54,9 +44,7 @@ class TensorInfo:
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-  """The tensors of one file (name -> TensorInfo) and its metadata. FormatError for a file
-  too short for its header, a header that is not JSON, an unknown dtype, bytes that do not
-  match the shape, or tensors that overlap or run past the end of the file (truncated)."""
+  """(name -> TensorInfo, metadata) of one file; FormatError if malformed or truncated."""
   size = os.path.getsize(path)
   with open(path, "rb") as f:
     head = f.read(8)
@@ -132,9 +120,7 @@ def header_bytes(entries: Iterable[tuple[str, np.dtype, tuple[int, ...]]],
 def write(path: str, tensors: Iterator[tuple[str, np.ndarray]] | dict[str, np.ndarray],
           entries: list[tuple[str, np.dtype, tuple[int, ...]]] | None = None,
           metadata: dict[str, str] | None = None) -> int:
-  """Write one file: `entries` (name, dtype, shape) fix the header; `tensors` then yields
-  each array in that order, so only one is in memory at a time (a dict gives both). The
-  file appears under `path` only once complete. Returns the bytes of tensor data."""
+  """Write one file a tensor at a time, atomically; returns the tensor bytes."""
   if isinstance(tensors, dict):
     entries = [(k, v.dtype, v.shape) for k, v in tensors.items()] if entries is None else entries
     tensors = iter(tensors.items())
@@ -158,8 +144,7 @@ def write(path: str, tensors: Iterator[tuple[str, np.ndarray]] | dict[str, np.nd
 
 
 def read_index(directory: str) -> dict[str, str]:
-  """name -> file (a path under `directory`) from the index, or from the one
-  `model.safetensors` if there is no index. FormatError naming a missing file."""
+  """name -> file from the index (or the lone model.safetensors); FormatError if missing."""
   index = os.path.join(directory, INDEX)
   if not os.path.exists(index):
     single = os.path.join(directory, "model.safetensors")

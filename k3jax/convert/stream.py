@@ -1,15 +1,8 @@
 """Arrays assembled on their devices from reads of only the parts each process holds.
 
-A `Source` gives any box of a logical array: `source(box)` with `box` a tuple of
-(start, stop) per axis returns those elements as a NumPy array. `assemble` builds the
-jax.Array of a sharded abstract value through `jax.make_array_from_callback`: each
-process reads only the boxes of its own devices' shards (each distinct box once), so host
-memory stays within one shard plus the reads behind it, and no process ever holds a whole
-stacked tensor. Sources compose: `stacked` (a leading axis of layers or experts, one
-tensor each), `transposed` (torch's [out, in] read as [in, out]), `converted` (a
-per-element function applied after the read); `from_file` and `from_mxfp4` read
-safetensors tensors, only the rows of the leading axis a box asks for.
-"""
+A `Source` maps a box ((start, stop) per axis) to a NumPy array; `assemble` builds a
+sharded jax.Array with each process reading only its devices' boxes. Sources compose:
+`stacked`, `transposed`, `converted`; `from_file` and `from_mxfp4` read safetensors rows."""
 
 from __future__ import annotations
 
@@ -28,7 +21,6 @@ Source = Callable[[Box], np.ndarray]
 
 
 def _box(index: tuple, shape: tuple[int, ...]) -> Box:
-  """A device's index (slices) as concrete (start, stop) per axis."""
   return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape))
 
 
@@ -53,9 +45,7 @@ class Progress:
 
 def assemble(abstract: jax.ShapeDtypeStruct, source: Source,
              progress: Progress | None = None) -> jax.Array:
-  """The array of `abstract` (shape, dtype, sharding) from `source`, reading per process
-  only the boxes its devices hold. ValueError naming the box if the source returns
-  another shape."""
+  """The array of `abstract` from `source`; ValueError naming a box of the wrong shape."""
   shape, dtype = tuple(abstract.shape), np.dtype(abstract.dtype)
   cache: dict[Box, np.ndarray] = {}
 
@@ -109,8 +99,7 @@ def from_file(info: safetensors.TensorInfo) -> Source:
 
 
 def from_mxfp4(packed: safetensors.TensorInfo, scales: safetensors.TensorInfo) -> Source:
-  """An MXFP4 weight [out, in] from its packed codes [out, in / 2] and scales
-  [out, in / 32], dequantized to float32; a box reads its rows of both."""
+  """An MXFP4 weight [out, in] dequantized to float32 from its packed codes and scales."""
   if packed.shape[:-1] != scales.shape[:-1] or packed.shape[-1] * 2 != scales.shape[-1] * 32:
     raise safetensors.FormatError(
         f"{packed.file}: {packed.name!r} {list(packed.shape)} and {scales.name!r} "

@@ -1,13 +1,7 @@
 """Where the MoonViT-V2 tower and projector live in the released Kimi K3 checkpoint.
 
-The release's conventions (from the engines that load it): names under `vision_tower.` and
-`mm_projector.`, all bf16, torch [out, in]; the patch embedding a Conv2d [width, 3, P, P]
-(k3jax: a Dense over patches flattened (row, col, channel)); the position table [G, G,
-width] as k3jax's table; each block's q, k and v fused into `wqkv` [3 * H * D, width]
-(q, then k, then v, heads head-major); the projector `proj.0` (Dense), GELU, `proj.2`,
-`post_norm`. Only the release's forms are mapped: a tower without 2-D RoPE or another
-projector form is refused, naming the field.
-"""
+Release: `vision_tower.*`, `mm_projector.*`, bf16 torch [out, in]; patch Conv2d
+[width, 3, P, P]; fused `wqkv` [3 * H * D, width]. Other forms are refused, naming the field."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The `data` section of the experiment config: its fields and defaults (`data_config()`),
-`check_config` (ValueError naming the first bad field; reads no file) and
-`validate_data`, the same as a ConfigError. Whether images have a vision tower to read
-them is `k3jax.config.validate`'s to check."""
+"""The `data` section: `data_config()`, `check_config` (ValueError; reads no file) and
+`validate_data` (ConfigError)."""
 
 from __future__ import annotations
 
@@ -14,35 +12,21 @@ from k3jax.data.tokenizer import check_tokenizer_config, tokenizer_config
 
 # "default": the embedded corpus (k3jax/data/corpus.py); "files": config.data.sources.
 SOURCES = ("default", "files", "none")   # "none": no text (data.images must be on)
-# "first_fit": whole pieces, first-fit into local_batch rows, the rest padded.
-# "concat_then_split": pieces laid end to end, cut every seq_len; no padding, but a
-#   piece cut at a row end continues in the next row as a new segment (positions from 0).
+# "first_fit": whole pieces, the rest padded; "concat_then_split": no padding, pieces cut
+# at row ends continue as new segments.
 PACKINGS = ("first_fit", "concat_then_split")
 
 
 def data_config() -> ml_collections.ConfigDict:
-  """Defaults of the `data` section of an experiment config.
-
-  Example (two JSONL corpora 3:1, Kimi's tokenizer):
-
-    c.data.source = "files"
-    c.data.sources = [
-        dict(paths="/data/web/*.jsonl.gz", format="jsonl", weight=3.0),
-        dict(paths=["/data/code/*.parquet"], format="parquet", column="content"),
-    ]
-    c.data.tokenizer.kind, c.data.tokenizer.path = "tiktoken", "/models/kimi/tiktoken.model"
-  """
+  """Defaults of the `data` section (sources: k3jax/data/sources.py)."""
   c = ml_collections.ConfigDict()
   c.source = "default"      # one of SOURCES
   c.packing = "first_fit"   # one of PACKINGS
   c.sources = ()            # source="files": dicts, fields in k3jax/data/sources.py
-  # source="files": document i of a source without validation_paths is held out for the
-  # "validation" split when i % heldout_every == 0; 0 = hold out nothing.
+  # source="files": document i is held out when i % heldout_every == 0 (0: none)
   c.heldout_every = 20
   c.tokenizer = tokenizer_config()
-  # Processes reading the training split's pieces ahead of packing (0: in this process);
-  # batches and iterator states do not depend on it. Each keeps worker_buffer_size chunks
-  # of pieces ready. The validation split (a few batches per evaluation) stays in-process.
+  # Worker processes reading training pieces (0: in-process); batches don't depend on it
   c.worker_count = 0
   c.worker_buffer_size = 2
   c.images = images_lib.images_config()   # image-text examples (k3jax/data/images.py)

@@ -1,30 +1,8 @@
 """Image-text examples for the MoonViT-V2 tower (K3_SPEC 6): generated shapes, or local files.
 
-An example is one image (or video) and its text, as the pipeline packs it:
-
-  tokens   = [bos] + [placeholder] * n + text ids + [eos]      n = the item's output tokens
-  inputs   = tokens[:-1], targets = tokens[1:]                 (int32 [L], L <= seq_len)
-  patches  = patchify(pixels) in merge order                   float32 [t*h*w, P*P*3]
-  grid     = [(t, h, w)]                                       int32 [1, 3]
-
-so the k-th placeholder of the example is output token k of its image. Targets that are
-placeholders get loss weight 0 in the packed row (`pipeline`): the loss is on the text.
-
-`data.images.source`:
-  "generated"  procedural pictures, numpy only, no download: 1-4 copies of one shape
-               (square, circle, triangle, cross) in one colour on a dark background, each in
-               its own cell of a 3 x 3 grid, canvas sides drawn from [min_size, max_size] px;
-               the caption names count, colour and shape, and the cell of a single shape
-               ("a red circle at the top left", "three blue crosses"). Example i of a split is
-               drawn from the seed (seed, split, i): random access, deterministic.
-  "files"      JSONL manifests (`paths`, globs): one object per line,
-               {"image": "cat.npy" | "cat.png", "text": "a cat"} or {"video": "clip.npy",
-               "text": ...}; relative paths are read from the manifest's folder. .npy holds
-               uint8 or float pixels [H, W, 3] (video [T, H, W, 3]); .png / .jpg / other
-               formats need Pillow (converted to RGB). Every `data.heldout_every`-th line is
-               held out for the validation split. Manifests and the files they name may be
-               local or object-store URLs (`gs://...`), read through `k3jax.paths`.
-"""
+An example: [bos] + [placeholder] * n + text ids + [eos] as inputs/targets int32 [L], patches
+float32 [t*h*w, P*P*3] in merge order, grid int32 [1, 3]. `data.images.source`: "generated"
+(seeded captioned shapes) or "files" (JSONL manifests {"image" | "video": path, "text"})."""
 
 from __future__ import annotations
 
@@ -45,7 +23,7 @@ COLOURS = {"red": (230, 40, 40), "green": (40, 200, 60), "blue": (50, 90, 240),
 CELLS = ("top left", "top", "top right", "left", "centre", "right",
          "bottom left", "bottom", "bottom right")
 COUNT_WORDS = ("a", "two", "three", "four")
-BACKGROUND = 20   # dark grey, every channel
+BACKGROUND = 20
 _SPLIT_IDS = {"train": 0, "validation": 1}
 
 
@@ -55,7 +33,7 @@ def images_config() -> ml_collections.ConfigDict:
   c.source = "none"          # one of IMAGE_SOURCES
   c.weight = 1.0             # share of training examples, against the text sources' weights
   c.paths = ()               # source="files": glob(s) of JSONL manifests
-  # source="generated": examples per split (indices into the seeded generator), canvas sides
+  # source="generated": examples per split, canvas sides
   c.train_examples = 100_000
   c.validation_examples = 256
   c.min_size, c.max_size = 56, 112
@@ -84,8 +62,7 @@ def check_images_config(c: ml_collections.ConfigDict) -> None:
 
 
 class MediaSpec(NamedTuple):
-  """What the pipeline needs of `model.vision`: patch geometry, the per-row buffer sizes
-  (max_patches, max_media: one PackedMedia per batch row) and the placeholder token."""
+  """What the pipeline needs of `model.vision`: patch geometry, buffer sizes, placeholder."""
   patch_size: int
   merge: int
   temporal_pool: int
@@ -103,17 +80,15 @@ class MediaSpec(NamedTuple):
     return self.patch_size * self.patch_size * 3
 
 
-# ------------------------------------------------------------------ generated pictures
 
 def _mask(shape: str, size: int) -> np.ndarray:
-  """A size x size boolean stencil of `shape`."""
   y, x = np.mgrid[:size, :size] + 0.5
   c, r = size / 2, size / 2
   if shape == "square":
     return np.ones((size, size), bool)
   if shape == "circle":
     return (y - c) ** 2 + (x - c) ** 2 <= r * r
-  if shape == "triangle":   # apex up: the half-width grows linearly with the row
+  if shape == "triangle":
     return np.abs(x - c) <= (y / size) * r
   if shape == "cross":
     bar = max(size // 6, 1)
@@ -132,8 +107,7 @@ def caption(count: int, colour: str, shape: str, cell: str | None) -> str:
 
 def generate(seed: int, split: str, index: int, *, min_size: int = 56, max_size: int = 112
              ) -> tuple[np.ndarray, str, dict]:
-  """Picture `index` of `split`: (uint8 [H, W, 3], caption, facts), the same for the same
-  arguments. facts: count, colour, shape, cells (indices into CELLS), size (shape px)."""
+  """Picture `index` of `split`: (uint8 [H, W, 3], caption, facts), deterministic."""
   rng = np.random.default_rng([seed, _SPLIT_IDS[split], index])
   height, width = (int(v) for v in rng.integers(min_size, max_size + 1, 2))
   count = int(rng.integers(1, 5))
@@ -154,11 +128,9 @@ def generate(seed: int, split: str, index: int, *, min_size: int = 56, max_size:
                        "size": size}
 
 
-# ------------------------------------------------------------------ files
 
 def load_pixels(path: str) -> np.ndarray:
-  """The pixels of an image or video file: .npy (numpy, as stored) or any format Pillow
-  reads (uint8 RGB). ValueError naming the file when it cannot be decoded."""
+  """Pixels of a .npy or Pillow-readable file; ValueError naming it if undecodable."""
   if path.endswith(".npy"):
     try:
       with paths.path(path).open("rb") as f:
@@ -173,13 +145,12 @@ def load_pixels(path: str) -> np.ndarray:
   try:
     with paths.path(path).open("rb") as f, Image.open(f) as im:
       return np.asarray(im.convert("RGB"))
-  except Exception as e:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
+  except Exception as e:
     raise ValueError(f"{path}: not a readable image ({type(e).__name__}: {e})") from None
 
 
 def read_manifests(patterns, split: str, heldout_every: int) -> list[dict]:
-  """The entries {"path", "video", "text"} of the JSONL manifests matching `patterns`, in
-  sorted file order, of `split` (every heldout_every-th entry is held out)."""
+  """Entries {"path", "video", "text"} of the manifests matching `patterns` in `split`."""
   patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
   entries = []
   for pattern in patterns:
@@ -201,7 +172,7 @@ def read_manifests(patterns, split: str, heldout_every: int) -> list[dict]:
             raise ValueError(f"{where}: need {{'image' or 'video': path, 'text': str}}, "
                              f"got {line.strip()[:80]}")
           path = obj[keys[0]]
-          if not (paths.is_url(path) or os.path.isabs(path)):   # relative to the manifest
+          if not (paths.is_url(path) or os.path.isabs(path)):
             path = os.fspath(paths.path(manifest).parent / path)
           entries.append({"path": path, "video": keys[0] == "video", "text": obj["text"]})
   if heldout_every:
@@ -213,11 +184,9 @@ def read_manifests(patterns, split: str, heldout_every: int) -> list[dict]:
   return entries
 
 
-# ------------------------------------------------------------------ examples
 
 class ImageTextExamples:
-  """`examples[i]` -> {"inputs", "targets" int32 [L], "patches" float32 [n, P*P*3],
-  "grid" int32 [1, 3]} (module docstring); random access, for grain's MapDataset."""
+  """`examples[i]` -> {"inputs", "targets", "patches", "grid"}, for grain's MapDataset."""
 
   def __init__(self, cfg_images, spec: MediaSpec, tokenizer, *, seq_len: int, seed: int,
                split: str, heldout_every: int = 0):
@@ -280,7 +249,6 @@ def example(patches: np.ndarray, grid, text_ids, spec: MediaSpec, *, bos: int, e
 
 
 def no_media(piece: dict[str, np.ndarray], patch_dim: int) -> dict[str, np.ndarray]:
-  """A text piece with the (empty) media features of an element, so that text and
-  image-text elements pack together."""
+  """A text piece with empty media features, to pack with image-text elements."""
   return {**piece, "patches": np.zeros((0, patch_dim), np.float32),
           "grid": np.zeros((0, 3), np.int32)}

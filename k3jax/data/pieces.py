@@ -1,9 +1,7 @@
 """Documents of token ids -> random-access next-token pieces of at most seq_len.
 
-A document of n ids becomes [bos] + ids + [eos], i.e. n + 1 (input, target) pairs, cut into
-ceil((n + 1) / seq_len) pieces. Only an index (document, start) per piece is kept; a piece's
-ids are read from its document when it is asked for, so the documents may live on disk.
-"""
+A document of n ids gives n + 1 (input, target) pairs; only (document, start) per piece
+is kept, so documents may live on disk."""
 
 from __future__ import annotations
 
@@ -45,10 +43,8 @@ class Subset:
 
 class DocumentPieces:
   """`pieces[i]` -> {"inputs": int32 [n], "targets": int32 [n]}, 1 <= n <= seq_len.
-
   Pieces are in document order, and in order within a document. `documents` needs
-  `__getitem__` (-> int32 token ids, no bos / eos) and `lengths` (int [num_documents]).
-  """
+  `__getitem__` (-> int32 token ids, no bos / eos) and `lengths` (int [num_documents])."""
 
   def __init__(self, documents, *, bos: int, eos: int, seq_len: int):
     if seq_len < 1:

@@ -1,62 +1,13 @@
 """The training input pipeline, built from grain datasets.
 
-  documents (config.data.source: the embedded corpus, or files: k3jax/data/sources.py)
-    -> token ids (config.data.tokenizer: k3jax/data/tokenizer.py) -> [bos] + ids + [eos]
-    -> per document: inputs = tok[:-1], targets = tok[1:]
-    -> pieces of at most seq_len (each piece is its own segment)
-    -> global shuffle with `seed`, reshuffled every epoch -> repeat
-       (several sources: each shuffled and repeated, then mixed by their weights)
-    -> packing into rows of seq_len -> global batches of global_batch rows
-    -> process shard: process p of n keeps rows [p * local_batch, (p + 1) * local_batch)
+  documents (sources.py) -> [bos] + ids + [eos] (tokenizer.py) -> next-token pieces of at
+  most seq_len -> shuffle (per epoch; sources mixed by weight) -> packed rows -> global
+  batches -> this process's rows
 
-The global batches do not depend on the number of processes: 2 processes x 4 devices train
-on the very batches of 1 process x 8, and since every process is at the same position,
-any one's iterator state (the checkpoint stores process 0's) resumes a run under any
-process count. The price: every process reads the piece index of every source and packs
-the whole global batch (numpy work, small next to a step).
-
-Every element is a dict of numpy arrays, each [local_batch, seq_len]:
-  inputs       int32   token ids fed to the model
-  targets      int32   the next token of the same document
-  segment_ids  int32   1, 2, ... per document piece in the row; 0 = padding
-  positions    int32   0, 1, ... within each piece; 0 on padding
-  weights      float32 1.0 where the target is a real token, 0.0 on padding
-
-The returned `grain.IterDataset` is checkpointable: `it.get_state()` is a small
-JSON-serialisable dict and `it.set_state(state)` on a fresh iterator resumes
-with exactly the same batches.
-
-`config.data.worker_count` > 0 reads the pieces (shuffle / mixture index lookup, reading
-and decoding the source, cutting the piece) in that many worker processes (grain's
-`mp_prefetch`), `_PIECES_PER_CHUNK` consecutive pieces per transfer; packing and batching
-stay in this process. Packing is sequential (a batch starts where the previous one ended),
-and grain's workers each pack their own slice, which would make the batches depend on the
-worker count; reading before packing in the workers keeps every batch and every iterator
-state the same under any worker count (0 included), so a checkpoint written with one count
-resumes under another.
-
-Image-text examples (`data.images`, k3jax/data/images.py; `make_dataset(..., media=)`)
-are one more source, mixed with the text by `data.images.weight` (`data.source="none"`:
-images only). Each element then also carries "patches" [n, P*P*3] (patchified here, in
-the reading stage: worker processes when there are any) and "grid" [1, 3] ((t, h, w);
-text pieces carry n = 0 and no grid row). First-fit packing fills every row within three
-budgets at once: seq_len tokens, model.vision.max_patches patches, model.vision.max_media
-items, and never cuts an image-text example. Each row then holds one PackedMedia of its
-own items, in row order (`k3jax.media.pack`), so that its placeholders are its image
-tokens in order; the batch gains, per row:
-  media_patches      float32 [B, N, P*P*3]    N = max_patches, M = max_media, K = N / m**2
-  media_segment_ids  int32   [B, N]
-  media_coords       int32   [B, N, 3]
-  media_grid_thw     int32   [B, M, 3]
-  media_pool_ids     int32   [B, K]
-and `weights` is 0 where the target is a placeholder (the loss is on the text). Every
-array's leading axis is the batch row, so media shard, split into microbatches and into
-processes exactly as the rows do.
-
-Text files are read and tokenized when the pipeline is built (once per process; kept for
-later calls, e.g. the validation split); prepared ArrayRecord shards are read lazily, piece
-by piece, which is what corpora larger than memory need.
-"""
+Elements: inputs, targets, segment_ids (0 = padding), positions [local_batch, seq_len] int32,
+weights float32 (0 on padding and placeholders); with `data.images` also each row's
+PackedMedia as media_* [B, ...]. Every process builds the same global batches and workers
+only read pieces, so the iterator state resumes under any process or worker count."""
 
 from __future__ import annotations
 
@@ -155,10 +106,8 @@ def document_pieces(
     docs: Sequence[str], tokenizer: Tokenizer, seq_len: int
 ) -> list[dict[str, np.ndarray]]:
   """Every document as next-token pairs, cut into pieces of at most `seq_len`.
-
   Returns, in document order, dicts {"inputs": int32 [n], "targets": int32 [n]}
-  with 1 <= n <= seq_len; a document of t tokens gives t + 1 pairs in all.
-  """
+  with 1 <= n <= seq_len; a document of t tokens gives t + 1 pairs in all."""
   pieces = DocumentPieces(TokenDocuments([tokenizer.encode(d) for d in docs]),
                           bos=tokenizer.bos_id, eos=tokenizer.eos_id, seq_len=seq_len)
   return [pieces[i] for i in range(len(pieces))]
@@ -187,15 +136,9 @@ def piece_dataset(
     num_epochs: int | None = None,
     media: MediaSpec | None = None,
 ) -> grain.MapDataset:
-  """The shuffled, repeated stream of pieces, before packing (the same on every process).
-
-  One source (or a finite `num_epochs`, or the validation split): all pieces, shuffled with
-  `seed`; piece i of epoch e sits at index e * num_pieces + i. Several sources, training
-  without end: each source's pieces shuffled (a seed per source) and repeated, then
-  interleaved so that source j gives weight_j / sum(weights) of the pieces. With
-  `data.images` the image-text examples are the last source (weight data.images.weight)
-  and every text piece gains empty media features (`images.no_media`).
-  """
+  """The shuffled, repeated stream of pieces before packing, the same on every process.
+  Several sources when training: each shuffled and repeated, mixed by weight; image-text
+  examples are the last source and text pieces gain empty media features."""
   if seq_len < 2:
     raise ValueError(f"seq_len must be >= 2, got {seq_len}")
   check_config(cfg)
@@ -221,13 +164,8 @@ def piece_dataset(
 
 
 class _RestoreSliceTuples(grain.IterDataset):
-  """Passes elements through; makes a JSON round trip of ConcatThenSplit's state harmless.
-
-  grain 0.2.18's ConcatThenSplit compares each `remainder_slices` entry with the
-  tuple (-1, -1). JSON (what grain's own CheckpointHandler writes) turns those
-  tuples into lists, and the restored iterator would then replay a phantom
-  remainder. This turns them back into tuples before restoring.
-  """
+  """Passes elements through; restores ConcatThenSplit's `remainder_slices` as tuples,
+  since grain compares them with (-1, -1) and a JSON round trip makes them lists."""
 
   def __iter__(self) -> grain.DatasetIterator:
     return _RestoreSliceTuplesIterator(self._parent.__iter__())
@@ -247,8 +185,6 @@ class _RestoreSliceTuplesIterator(grain.DatasetIterator):
 
 
 def _concat_pieces(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-  """A chunk of pieces as two arrays per feature, the pieces' values concatenated and
-  their lengths (few shared-memory blocks per transfer)."""
   out = {}
   for k in pieces[0]:
     out[k] = np.concatenate([p[k] for p in pieces])
@@ -257,8 +193,7 @@ def _concat_pieces(pieces: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndar
 
 
 def _split_pieces(chunk: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-  """`_concat_pieces` undone; copies out of grain's shared memory, which is freed as soon
-  as the chunk goes."""
+  """`_concat_pieces` undone, copied out of grain's shared memory."""
   keys = [k for k in chunk if not k.endswith("@lengths")]
   parts = {k: np.split(np.array(chunk[k]), np.cumsum(chunk[k + "@lengths"])[:-1])
            for k in keys}
@@ -266,9 +201,7 @@ def _split_pieces(chunk: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
 
 
 def _exit_with_parent(worker_index: int, worker_count: int) -> None:
-  """In a worker process: exit once the process that started it is gone. grain stops its
-  workers when the iterator is closed or collected, but a SIGKILLed trainer leaves them
-  running (blocked on a full queue); a rerun after each kill would pile them up."""
+  """In a worker: exit once the parent is gone."""
   del worker_index, worker_count
   parent = os.getppid()
 
@@ -281,13 +214,7 @@ def _exit_with_parent(worker_index: int, worker_count: int) -> None:
 
 
 class _WorkerPieces(grain.IterDataset):
-  """The elements of `pieces` in order, read ahead by `workers` processes.
-
-  The iterator's state is that of `pieces.to_iter_dataset()` ({"next_index": i}, the
-  number of pieces consumed), whatever the worker count; `set_state` restarts the workers
-  at piece i (they start on the first `next`, so a fresh iterator restored from a
-  checkpoint starts them once).
-  """
+  """`pieces` in order, read ahead by `workers` processes; state {"next_index": i}."""
 
   def __init__(self, pieces: grain.MapDataset, workers: int, buffer_size: int):
     super().__init__()
@@ -308,9 +235,7 @@ class _WorkerPiecesIterator(grain.DatasetIterator):
 
   def _start(self):
     if not flags.FLAGS.is_parsed():
-      # grain 0.2.18 reads one of its absl flags when it starts workers, which raises before
-      # flags are parsed (tests, notebooks; absl.app parses them): every flag keeps its
-      # default, which is what that read would get.
+      # grain reads an absl flag when starting workers, which raises before flags are parsed.
       flags.FLAGS.mark_as_parsed()
     chunks = self._pieces[self._next_index:].batch(_PIECES_PER_CHUNK, batch_fn=_concat_pieces)
     ds = chunks.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
@@ -374,8 +299,7 @@ def feature_shapes(cfg: ml_collections.ConfigDict, *, seq_len: int, batch: int,
 
 
 def _media_row(packed: dict[str, np.ndarray], media: MediaSpec) -> dict[str, np.ndarray]:
-  """A packed row with media: the text features (weight 0 on placeholder targets) and the
-  PackedMedia of the row's items, in row order."""
+  """A packed row's text features and the PackedMedia of its items, in row order."""
   row = _row(packed)
   row["weights"] *= (row["targets"] != media.placeholder_id)
   grids = packed["grid"][packed["grid_segment_ids"] > 0]
@@ -429,15 +353,8 @@ def make_dataset(
     media: MediaSpec | None = None,
 ) -> grain.IterDataset:
   """This process' `global_batch // process_count` rows of each global batch.
-
-  `media` (from `model.vision`) is needed when `cfg.images` is on, and adds the media
-  features (module docstring); it is ignored otherwise.
-  `num_epochs=None` repeats forever (training); an integer gives a finite
-  stream (e.g. 1 for one pass over the validation split) whose last batch is
-  filled up with all-padding rows. `cfg.worker_count` > 0 (training split): pieces are read
-  in worker processes, started by the iterator's first `next`; `it.close()` stops them
-  (so does collecting the iterator, or the end of this process).
-  """
+  `media`: needed when `cfg.images` is on. `num_epochs=None` repeats forever; else the last
+  batch is padded. Worker processes start on the first `next`; `it.close()` stops them."""
   _check_process(process_index, process_count)
   if global_batch < 1 or global_batch % process_count:
     raise ValueError(

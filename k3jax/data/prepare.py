@@ -2,19 +2,9 @@
 
   python -m k3jax.data.prepare --input='/data/web/*.jsonl.gz' --format=jsonl \\
       --tokenizer=tiktoken:/models/kimi/tiktoken.model --output_dir=/data/web_kimi
+  # then: c.data.sources = [dict(paths=".../*.array_record", format="arrayrecord")]
 
-  then, in the experiment config:
-    c.data.source = "files"
-    c.data.sources = [dict(paths="/data/web_kimi/*.array_record", format="arrayrecord")]
-    c.data.tokenizer.kind, c.data.tokenizer.path = "tiktoken", "/models/kimi/tiktoken.model"
-
---tokenizer is "byte", KIND:PATH (KIND one of tokenizer.TOKENIZERS) or a PATH whose name says
-the kind (*.tiktoken or tiktoken.model: tiktoken; *.model: sentencepiece; *.json:
-huggingface). The documents keep their order (files sorted per pattern, then file order), so
-the shards give the pipeline the very tokens (and held-out documents) of the text files
-tokenized on the fly. The manifest records the tokenizer's fingerprint; the pipeline refuses
-shards made with another vocabulary.
-"""
+--tokenizer: "byte", KIND:PATH, or a PATH naming the kind; other vocabularies are refused."""
 
 from __future__ import annotations
 
@@ -105,10 +95,7 @@ class _Progress:
 
 def prepare(patterns: Sequence[str], spec: dict, tokenizer: Tokenizer, output_dir: str, *,
             shard_size: int, progress: bool = True) -> dict:
-  """Tokenize the documents of the files matching `patterns` into shards; returns the manifest.
-
-  `spec` is a source dict as in `config.data.sources` (format, text_field, column, separator).
-  """
+  """Tokenize the files matching `patterns` (a source dict `spec`) into shards."""
   spec = sources_lib.source_spec({**spec, "paths": tuple(patterns)}, 0)
   if spec["format"] not in sources_lib.TEXT_FORMATS:
     raise ValueError(f"--format must be one of {sources_lib.TEXT_FORMATS}, "
@@ -128,7 +115,7 @@ def prepare(patterns: Sequence[str], spec: dict, tokenizer: Tokenizer, output_di
           writer.add(ids)
           docs, tokens, text_bytes = docs + 1, tokens + len(ids), text_bytes + len(doc)
           if bar is not None and docs % 256 == 0:
-            step = min(text_bytes, size - shown)  # characters ~ bytes: an estimate
+            step = min(text_bytes, size - shown)
             bar.update(step, docs, tokens)
             shown, docs, tokens, text_bytes = shown + step, 0, 0, 0
         if bar is not None:
@@ -159,7 +146,7 @@ def main(argv):
   try:
     manifest = prepare(_INPUT.value, spec, tokenizer, _OUTPUT.value,
                        shard_size=_SHARD_SIZE.value)
-  except (OSError, ValueError) as e:  # the message names the file, line or flag
+  except (OSError, ValueError) as e:
     raise SystemExit(f"prepare: error: {e}") from e
   print(f"prepare: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens of the "
         f"{tokenizer.describe()} in {len(manifest['shards'])} shard(s); "

@@ -1,16 +1,8 @@
 """Tokenized documents in ArrayRecord shards: written by `k3jax.data.prepare`, read lazily.
 
-A prepared directory holds
-
-  shard-000000.array_record            one record per document: its token ids as little-endian
-  shard-000000.array_record.lengths.npy   int32 bytes (no bos / eos); the lengths, int64 [docs]
-  ...
-  manifest.json                        the tokenizer's fingerprint, the inputs, the counts
-
-Documents keep the order in which they were read (files in sorted order, then file order),
-so document i of the shards is document i of the same files read as text, and the
-pipeline's held-out rule and shuffles pick the very same documents.
-"""
+A directory holds shard-NNNNNN.array_record (one record per document: int32 LE ids, no
+specials), its .lengths.npy (int64 [docs]) and manifest.json (tokenizer fingerprint).
+Documents keep read order, so held-out picks match reading the text directly."""
 
 from __future__ import annotations
 
@@ -34,11 +26,9 @@ def shard_name(index: int) -> str:
 
 class ShardWriter:
   """Writes documents' token ids into shards of `shard_size` documents, then the manifest.
-
     with ShardWriter(out_dir, tokenizer, shard_size=100_000, inputs=[...]) as w:
       for doc in documents:
-        w.add(tokenizer.encode(doc))
-  """
+        w.add(tokenizer.encode(doc))"""
 
   def __init__(self, output_dir: str, tokenizer, *, shard_size: int, inputs: Sequence[str] = (),
                source: dict | None = None):
@@ -57,7 +47,7 @@ class ShardWriter:
     self._writer = None
     self._lengths: list[int] = []
     self._written: list[str] = []
-    self.manifest: dict | None = None  # set by close()
+    self.manifest: dict | None = None
 
   def add(self, tokens: np.ndarray) -> None:
     """Append one document: int32 [n] token ids without bos / eos."""
@@ -141,11 +131,7 @@ def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
 
 
 class TokenShards:
-  """Random access to the documents of prepared shards: `shards[i]` -> int32 [lengths[i]].
-
-  `paths` are shard files (.array_record), each with its lengths file and the manifest of
-  its directory, which must name `tokenizer`'s vocabulary.
-  """
+  """Random access to prepared shards `paths`: `shards[i]` -> int32 [lengths[i]]."""
 
   def __init__(self, paths: Sequence[str], tokenizer):
     from grain.sources import ArrayRecordDataSource  # noqa: PLC0415

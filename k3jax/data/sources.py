@@ -1,26 +1,10 @@
-"""Sources of documents: files chosen by glob patterns, in the `data.sources` config.
+"""Documents from files chosen by glob patterns: the entries of `data.sources` (source="files").
 
-Each entry of `config.data.sources` (with `config.data.source = "files"`) is a dict:
-
-  paths             glob pattern or list of them ("**" recurses); files in sorted order
-  format            "text" | "jsonl" | "parquet" | "arrayrecord"
-  weight            share of the training pieces drawn from this source (default 1.0)
-  text_field        jsonl: the key of the text in each JSON object (default "text")
-  column            parquet: the text column (default "text")
-  separator         text: "" = one document per file (default), else the string between documents
-  validation_paths  optional globs of this source's held-out files; without them, every
-                    `data.heldout_every`-th document (0, k, 2k, ...) is held out
-
-Text formats ("text", "jsonl", "parquet"; ".gz" text and jsonl too) are read and tokenized
-when the pipeline starts; "arrayrecord" reads shards of token ids written by
-`python -m k3jax.data.prepare` (k3jax/data/shards.py), lazily, which is what large corpora
-want. A document is the text of one file, one separator-delimited part, one JSON line or
-one row. Empty documents inside a file are skipped; an empty file is an error.
-
-Text formats are globbed and read through `k3jax.paths` (etils.epath): patterns may be local
-(`~` expands, `**` recurses) or object-store URLs (`gs://bucket/data/*.jsonl`; no `**`).
-ArrayRecord shards are read by the array_record library, from local paths.
-"""
+Each entry: paths (globs, "**" recurses), format ("text" | "jsonl" | "parquet" |
+"arrayrecord"), weight (share of training pieces, 1.0), text_field (jsonl, "text"), column
+(parquet, "text"), separator (text: "" one document a file), validation_paths (held-out
+files; else every `data.heldout_every`-th document). Text formats (.gz too, local or URLs)
+are tokenized at start; "arrayrecord" reads `k3jax.data.prepare` shards lazily."""
 
 from __future__ import annotations
 
@@ -76,8 +60,7 @@ def _patterns(paths) -> tuple[str, ...]:
 
 
 def expand_paths(patterns: Sequence[str], field: str) -> list[str]:
-  """Files matching each pattern, sorted per pattern, each once; FileNotFoundError if one
-  pattern matches no file (`field` names the config field in the message)."""
+  """Files matching each pattern, sorted, each once; FileNotFoundError naming `field`."""
   files, seen = [], set()
   for pattern in patterns:
     matched = [p for p in paths.glob(pattern) if paths.is_file(p)]
@@ -91,11 +74,7 @@ def expand_paths(patterns: Sequence[str], field: str) -> list[str]:
 
 
 def read_documents(path: str, spec: dict) -> Iterator[str]:
-  """The documents of one file of a text format, in file order.
-
-  Raises ValueError naming the file for an empty file, the file and byte offset for bytes
-  that are not UTF-8, `file:line` for a JSONL line without the text field.
-  """
+  """The documents of one text-format file; ValueError naming the file if bad."""
   fmt = spec["format"]
   if fmt == "text":
     yield from _text_documents(path, spec["separator"])
@@ -109,7 +88,6 @@ def read_documents(path: str, spec: dict) -> Iterator[str]:
 
 @contextlib.contextmanager
 def _open_bytes(path: str):
-  """`path` (local or URL) opened for reading bytes, gunzipped when it ends in .gz."""
   with paths.path(path).open("rb") as raw:
     if path.endswith(".gz"):
       with gzip.GzipFile(fileobj=raw, mode="rb") as f:
@@ -168,7 +146,7 @@ def _jsonl_documents(path: str, field: str) -> Iterator[str]:
 
 
 def _parquet_documents(path: str, column: str) -> Iterator[str]:
-  with paths.path(path).open("rb") as raw:   # a file object: local or URL alike
+  with paths.path(path).open("rb") as raw:
     yield from _parquet_rows(raw, path, column)
 
 
@@ -176,7 +154,7 @@ def _parquet_rows(raw, path: str, column: str) -> Iterator[str]:
   import pyarrow.parquet as pq  # noqa: PLC0415  (only needed for this format)
   try:
     f = pq.ParquetFile(raw)
-  except Exception as e:  # pyarrow.ArrowInvalid and friends
+  except Exception as e:
     raise ValueError(f"{path}: not a Parquet file ({e})") from e
   names = f.schema_arrow.names
   if column not in names:

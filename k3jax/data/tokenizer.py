@@ -1,19 +1,11 @@
 """Tokenizers: text -> int32 token ids, one interface for every kind of vocabulary file.
 
-  kind            file                          specials
-  byte            none (the default)            bos 256, eos 257; ids 0..255 are UTF-8 bytes
-  tiktoken        BPE rank file, Kimi format    256 reserved ids after the ranks
-  sentencepiece   a SentencePiece `.model`       the model's bos / eos pieces (or named ones)
-  huggingface     a `tokenizers` tokenizer.json  named in the config (`bos_token`, `eos_token`)
+  byte            no file; bos 256, eos 257, ids 0..255 are UTF-8 bytes
+  tiktoken        a BPE rank file in Kimi's format; 256 reserved specials after the ranks
+  sentencepiece   a `.model`; its bos / eos pieces unless named
+  huggingface     a tokenizer.json; bos / eos named in the config
 
-Every tokenizer has `encode(text) -> int32 [n]` (no specials added: the pipeline puts `bos_id`
-before and `eos_id` after each document), `decode(ids) -> str` (specials dropped),
-`vocab_size` (ids are in [0, vocab_size)), `bos_id`, `eos_id` and `fingerprint()` (what a
-prepared shard records so that it is never read with another vocabulary).
-
-Build one from the `data.tokenizer` config section with `make_tokenizer`; `check_vocab` says
-whether the model's embedding table holds every id.
-"""
+Each has `encode` (no specials), `decode`, `vocab_size`, `bos_id`, `eos_id`, `fingerprint()`."""
 
 from __future__ import annotations
 
@@ -29,10 +21,8 @@ import numpy as np
 
 TOKENIZERS = ("byte", "tiktoken", "sentencepiece", "huggingface")
 
-# Kimi's tokenizer (tokenization_kimi.py of the Kimi K2 / Kimi Linear releases): its
-# pre-tokenization pattern (Han runs kept whole; `&&` class intersection needs tiktoken's
-# fancy-regex engine) and the 256 special ids reserved right after the BPE ranks
-# (163,584 ranks + 256 = 163,840 ids). The first two are [BOS] and [EOS].
+# Kimi's tokenizer (tokenization_kimi.py): its pre-tokenization pattern and the 256
+# special ids after the BPE ranks, [BOS] and [EOS] first.
 KIMI_PAT_STR = "|".join([
     r"[\p{Han}]+",
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
@@ -47,10 +37,7 @@ KIMI_PAT_STR = "|".join([
 ])
 KIMI_NUM_SPECIAL = 256
 KIMI_BOS, KIMI_EOS = "[BOS]", "[EOS]"
-# tiktoken's regex engine fails on very long texts and very long runs of (non-)whitespace;
-# Kimi cuts a text into slices of at most 400,000 characters, each with runs of at most
-# 25,000 characters, and encodes the slices one by one. The ids depend on those cuts, so we
-# cut the same way.
+# tiktoken's regex fails on very long texts; Kimi's cuts change the ids, so we cut alike.
 _TIKTOKEN_MAX_CHARS = 400_000
 _TIKTOKEN_MAX_RUN = 25_000
 
@@ -60,8 +47,7 @@ def tokenizer_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.kind = "byte"      # one of TOKENIZERS
   c.path = ""          # the vocabulary file (all kinds but "byte")
-  # Names of the document delimiters; "" = the kind's own: tiktoken [BOS] / [EOS],
-  # sentencepiece the model's bos / eos pieces; huggingface needs both named.
+  # Document delimiter names; "": the kind's own (huggingface needs both named)
   c.bos_token = ""
   c.eos_token = ""
   return c
@@ -77,7 +63,7 @@ class Tokenizer:
   eos_id: int
 
   @property
-  def bos(self) -> int:  # the names the pipeline used before there were several kinds
+  def bos(self) -> int:
     return self.bos_id
 
   @property
@@ -110,11 +96,7 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-  """UTF-8 bytes as token ids, plus `bos` (256) and `eos` (257).
-
-  `encode` returns the bytes only; the pipeline adds `bos` / `eos` around each
-  document. `decode` drops every id that is not a byte.
-  """
+  """UTF-8 bytes as token ids, plus `bos` (256) and `eos` (257)."""
 
   kind = "byte"
   bos = bos_id = 256
@@ -133,11 +115,7 @@ class ByteTokenizer(Tokenizer):
 
 
 def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
-  """A rank file: one `base64(token) rank` per line, ranks 0, 1, ... -> {token bytes: rank}.
-
-  Raises ValueError naming `path:line` for a malformed line, and `path` when the ranks are
-  not 0..n-1 or a single byte is missing (every text must be encodable).
-  """
+  """{token bytes: rank} of a `base64(token) rank` file; ValueError naming path:line."""
   ranks: dict[bytes, int] = {}
   with open(path, "rb") as f:
     for lineno, line in enumerate(f, 1):
@@ -148,7 +126,7 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
         if len(fields) != 2:
           raise ValueError(f"{len(fields)} fields")
         ranks[base64.b64decode(fields[0], validate=True)] = int(fields[1])
-      except ValueError as e:  # binascii.Error is a ValueError
+      except ValueError as e:
         raise ValueError(f"{path}:{lineno}: not a tiktoken rank line 'base64 rank' ({e})") from e
   if not ranks:
     raise ValueError(f"{path}: empty tiktoken rank file")
@@ -178,13 +156,9 @@ def _tiktoken_slices(text: str):
 
 class TiktokenTokenizer(Tokenizer):
   """A tiktoken BPE rank file read the way Kimi reads its `tiktoken.model`.
-
-  Ids 0..n-1 are the ranks, n..n+255 the reserved specials ([BOS] = n, [EOS] = n + 1 unless a
-  `tokenizer_config.json` beside the file names them otherwise through `added_tokens_decoder`);
-  vocab_size = n + 256. Text is pre-tokenized with Kimi's pattern. Special-token names inside
-  a document are encoded as plain text (Kimi's own `encode` turns them into special ids by
-  default; training text must not be able to fake a document boundary).
-  """
+  vocab_size = n + 256 specials ([BOS] = n, [EOS] = n + 1 unless a tokenizer_config.json
+  beside it says otherwise). Special names in text encode as plain text, so training text
+  cannot fake a document boundary."""
 
   kind = "tiktoken"
 
@@ -261,10 +235,7 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HuggingFaceTokenizer(Tokenizer):
-  """A Hugging Face `tokenizers` tokenizer.json; bos / eos must be named tokens of it.
-
-  `encode` adds no specials (the file's post-processor is not applied).
-  """
+  """A Hugging Face tokenizer.json; bos / eos must be named; no post-processor applied."""
 
   kind = "huggingface"
 
@@ -344,7 +315,6 @@ def _check_file(path: str, field: str) -> None:
 
 
 def _added_tokens(config_path: str, ids: range) -> dict[int, str]:
-  """{id: name} from a Hugging Face tokenizer_config.json's `added_tokens_decoder`."""
   if not os.path.isfile(config_path):
     return {}
   try:

@@ -1,20 +1,8 @@
-"""Block Attention Residuals (K3_SPEC 3): each sublayer reads its input as softmax
-attention over earlier block outputs instead of one running residual.
+"""Block Attention Residuals (K3_SPEC 3): each sublayer reads softmax attention over earlier
+block outputs, h = sum_i alpha_i v_i, alpha = softmax(w . (RMSNorm(v_i) * g)), in fp32.
 
-  h = sum_i alpha_i v_i,  alpha = softmax_i over valid sources of  w . (RMSNorm(v_i) * g)
-
-with a learned pseudo-query w (init 0, so the first read is a uniform average) and key
-gain g (init 1) per sublayer; values are raw; logits and softmax in fp32.
-
-Sources live in a fixed-size buffer so a scanned stack can carry them (`BlockState`):
-slot 0 is the token embedding, slots 1..n the sums of the n completed blocks, slot n+1
-the running partial sum of the current block. A block is `block_sublayers` sublayers
-(attention and FFN count separately, so 2 * block_layers). Indices may be traced.
-
-The two-phase inference form (`phase1`, `partial_stats`, `merge`) gives the same h: all
-queries of a block against the completed blocks in one batch, then an online-softmax
-merge with the partial-sum term.
-"""
+`BlockState` is a fixed buffer [S, B, T, d] a scan can carry (embedding, completed blocks,
+partial); `phase1`, `partial_stats`, `merge` are the two-phase inference form."""
 
 from __future__ import annotations
 
@@ -33,8 +21,7 @@ BTE = ("batch", "seq", "embed")
 
 
 class AttnResQuery(nnx.Module):
-  """The pseudo-query `query` [d] (init 0) and key RMSNorm gain `key_gain` [d] (init 1)
-  of one sublayer (or of the output-level AttnRes)."""
+  """One sublayer's pseudo-query `query` [d] (init 0) and key gain `key_gain` [d] (init 1)."""
 
   def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32,
                rngs: nnx.Rngs | None = None):
@@ -57,7 +44,6 @@ def _logits(sources: jax.Array, queries: jax.Array, key_gains: jax.Array,
 
 
 def _masked(logits: jax.Array, valid: jax.Array | None) -> jax.Array:
-  """Logits [..., S, B, T] with invalid sources (valid [S] bool) set to -inf."""
   if valid is None:
     return logits
   return jnp.where(valid[:, None, None], logits, -jnp.inf)
@@ -65,8 +51,7 @@ def _masked(logits: jax.Array, valid: jax.Array | None) -> jax.Array:
 
 def attend(sources: jax.Array, valid: jax.Array | None, query: jax.Array,
            key_gain: jax.Array, eps: float) -> jax.Array:
-  """Direct AttnRes read. sources [S, B, T, d]; valid [S] bool (None = all; at least
-  one must be valid); query, key_gain [d] -> h [B, T, d] in the sources' dtype."""
+  """Direct read: sources [S, B, T, d], valid [S], query, key_gain [d] -> h [B, T, d]."""
   sources = constrain(sources, SBTE)
   logits = _masked(_logits(sources, query[None], key_gain[None], eps)[0], valid)  # [S, B, T]
   alpha = jax.nn.softmax(logits, axis=0)
@@ -75,7 +60,6 @@ def attend(sources: jax.Array, valid: jax.Array | None, query: jax.Array,
   return constrain(h.astype(sources.dtype), BTE)
 
 
-# ---------------------------------------------------------------------------------------
 # Block bookkeeping for a (possibly scanned) stack.
 
 
@@ -86,14 +70,12 @@ class BlockState(NamedTuple):
 
 
 def num_slots_for(num_layers: int, block_layers: int) -> int:
-  """Slots a stack of `num_layers` layers (2 sublayers each) in blocks of `block_layers`
-  layers needs: the embedding, every block that can complete, and the partial sum."""
+  """Buffer slots for `num_layers` layers in blocks of `block_layers`."""
   return 1 + num_layers // block_layers + 1
 
 
 def init_state(embedding: jax.Array, num_slots: int) -> BlockState:
-  """embedding [B, T, d] in slot 0, the rest zero. The buffer takes the embedding's dtype
-  (pass an fp32 embedding for fp32 block sums)."""
+  """embedding [B, T, d] in slot 0, the rest zero, in the embedding's dtype."""
   if num_slots < 2:
     raise ValueError(f"init_state: need >= 2 slots (embedding + partial), got {num_slots}")
   sources = jnp.zeros((num_slots, *embedding.shape), embedding.dtype).at[0].set(embedding)
@@ -107,17 +89,13 @@ def valid_sources(state: BlockState) -> jax.Array:
 
 
 def read(state: BlockState, query: AttnResQuery) -> jax.Array:
-  """The input h [B, T, d] of the next sublayer (or, with the output-level query, the
-  stack's output). The first sublayer of a block sees only the embedding and completed
-  blocks; later ones also the partial sum."""
+  """The next sublayer's input h [B, T, d] (the partial sum only once non-empty)."""
   return query(state.sources, valid_sources(state))
 
 
 def write(state: BlockState, out: jax.Array, block_sublayers: int) -> BlockState:
-  """Add a sublayer's output [B, T, d] to the partial sum; after `block_sublayers`
-  writes the partial becomes completed block n + 1 and the next write starts a new one.
-  The caller must size the buffer with `num_slots_for` (traced indices cannot be
-  bounds-checked; dynamic_update_slice would clamp)."""
+  """Add a sublayer's output [B, T, d] to the partial sum; a block closes after
+  `block_sublayers`. Size the buffer with `num_slots_for`: traced indices are unchecked."""
   slot = state.num_done + 1
   partial = jax.lax.dynamic_index_in_dim(state.sources, slot, axis=0, keepdims=False)
   partial = jnp.where(state.in_block > 0, partial, jnp.zeros_like(partial))
@@ -131,15 +109,9 @@ def write(state: BlockState, out: jax.Array, block_sublayers: int) -> BlockState
 
 
 def scan(step, state: BlockState, xs):
-  """`jax.lax.scan(step, state, xs)` for a `step(state, x) -> (state, y)` that changes the
-  sources only through `write` (the partial slot; a completed block is never written again),
-  with the same outputs and gradients but a smaller residual: per step it saves the partial
-  slot [B, T, d] and the two counters, not the whole buffer [S, B, T, d] (k3_full: 22 x
-  0.49 GiB -> 22 x 0.05 GiB per device). The backward rebuilds each step's input from the
-  final sources (the completed slots it had are final by then; later slots are zero) and
-  that partial, then differentiates the step there (under its own remat, if any).
-
-  y may hold integer leaves (their cotangents are zero)."""
+  """`jax.lax.scan(step, state, xs)` saving only the partial slot [B, T, d] per step, not
+  the buffer; valid since `step` changes sources only through `write`, so the backward
+  rebuilds each input from the final sources. Same outputs and gradients."""
   @jax.custom_vjp
   def run(state, xs):
     return jax.lax.scan(step, state, xs)
@@ -158,7 +130,7 @@ def scan(step, state: BlockState, xs):
     d_final, d_ys = cts
     slots = jnp.arange(final_sources.shape[0])
     d_leaves, y_def = jax.tree.flatten(d_ys)
-    inexact = [d.dtype != jax.dtypes.float0 for d in d_leaves]  # integer y: float0 cotangents
+    inexact = [d.dtype != jax.dtypes.float0 for d in d_leaves]
     zero = np.zeros((), jax.dtypes.float0)
 
     def back(d_sources, inp):
@@ -181,18 +153,13 @@ def scan(step, state: BlockState, xs):
   return run(state, xs)
 
 
-# ---------------------------------------------------------------------------------------
 # Two-phase inference form. o is the UNNORMALISED sum  sum_i e^{s_i - m} v_i  and
 # l = sum_i e^{s_i - m}, so h = o / l and two parts merge exactly as spec 3 writes it.
 
 
 def phase1(sources: jax.Array, valid: jax.Array | None, queries: jax.Array,
            key_gains: jax.Array, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """All Q pseudo-queries of a block against the completed sources at once.
-
-  sources [S, B, T, d]; valid [S] bool (at least one valid); queries, key_gains [Q, d]
-  -> o1 [Q, B, T, d] (unnormalised), m1 [Q, B, T] (max logit), l1 [Q, B, T], all fp32.
-  """
+  """Q queries vs the completed sources -> o1 [Q, B, T, d], m1, l1 [Q, B, T] fp32."""
   logits = _masked(_logits(sources, queries, key_gains, eps), valid)     # [Q, S, B, T]
   m = jnp.max(logits, axis=1)
   p = jnp.exp(logits - m[:, None])
@@ -210,9 +177,7 @@ def partial_stats(partial: jax.Array, query: jax.Array, key_gain: jax.Array,
 
 def merge(o1: jax.Array, m1: jax.Array, l1: jax.Array, o2: jax.Array, m2: jax.Array,
           l2: jax.Array) -> jax.Array:
-  """h = (e^{m1-M} o1 + e^{m2-M} o2) / (e^{m1-M} l1 + e^{m2-M} l2), M = max(m1, m2).
-
-  o [..., d] unnormalised, m and l [...]; returns h [..., d] in fp32."""
+  """h = (e^{m1-M} o1 + e^{m2-M} o2) / (e^{m1-M} l1 + e^{m2-M} l2) in fp32."""
   big = jnp.maximum(m1, m2)
   a1, a2 = jnp.exp(m1 - big), jnp.exp(m2 - big)
   num = a1[..., None] * o1 + a2[..., None] * o2

@@ -1,7 +1,5 @@
-"""The `model` section of the experiment config: its fields with the full K3 model's values
-(K3_SPEC section 1), `model_config()`, and `validate_model`, which names the first
-impossible setting of the section. The checks that join it to other sections (the mesh's
-ways, the data's images) are `k3jax.config.validate`'s."""
+"""The `model` section: `model_config()` with the full K3 values (K3_SPEC 1) and
+`validate_model`; cross-section checks are `k3jax.config.validate`'s."""
 
 from __future__ import annotations
 
@@ -34,9 +32,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.dtype = "bfloat16"   # compute dtype; parameters are stored in param_dtype
   m.param_dtype = "float32"
   m.remat = "full"       # one of REMAT_POLICIES, applied per scanned cycle
-  m.remat_scope = "cycle"  # "cycle": one remat region per scanned cycle; "layer": also one
-                           # per layer inside it (the backward holds one layer's activations,
-                           # not a cycle's, for one more forward of every scanned layer)
+  m.remat_scope = "cycle"  # "cycle": one remat region per cycle; "layer": also per layer
   m.scan_layers = True
   m.kda = _kda()
   m.mla = _mla()
@@ -49,9 +45,8 @@ def model_config() -> ml_collections.ConfigDict:
   r = m.attn_res = ml_collections.ConfigDict()
   r.enabled = True       # False: the plain residual stream
   r.block_layers = 12
-  # What the scan over cycles saves for the backward: "buffer" (jax.lax.scan: every cycle's
-  # whole source buffer [slots, B, T, d]) or "partial" (`attn_res.scan`: the cycle's partial
-  # slot [B, T, d]; the backward rebuilds the rest from the final sources)
+  # Saved per cycle for the backward: "buffer" (sources [slots, B, T, d]) or "partial"
+  # (the partial slot [B, T, d]; `attn_res.scan` rebuilds the rest)
   r.scan_saves = "buffer"
   m.vision = _vision()
   return m
@@ -65,15 +60,11 @@ def _kda() -> ml_collections.ConfigDict:
   k.gate_rank = 128      # low-rank decay projection d -> rank -> heads*head_dim
   k.gate = "bounded"     # "bounded": lb*sigmoid(exp(A_log)(f+dt_bias)); "softplus": Kimi Linear
   k.gate_lower_bound = -5.0
-  # Tokens per chunk of the chunked form; 0: the backend's default on the platform (the
-  # GPU kernel 16, else 64: pallas_kernels.kda.default_chunk_size). Rounding aside, the
-  # outputs do not depend on it.
+  # Tokens per chunk; 0: pallas_kernels.kda.default_chunk_size. Outputs do not depend on it.
   k.chunk_size = 0
-  # pallas_kernels.kda backend: chunk (pure JAX), naive, kernel (Pallas), interpret, auto
-  # (kernel on TPU and GPU, chunk on CPU)
+  # pallas_kernels.kda backend: chunk, naive, kernel, interpret, auto (kernel on TPU/GPU)
   k.backend = "auto"
-  # pallas_kernels.short_conv backend (the conv with its SiLU and q/k's L2 norm): reference
-  # (plain JAX), kernel (Pallas Triton, GPU), interpret, auto (kernel on GPU, else reference)
+  # pallas_kernels.short_conv backend: reference, kernel (GPU), interpret, auto (kernel on GPU)
   k.conv_backend = "auto"
   return k
 
@@ -86,16 +77,11 @@ def _mla() -> ml_collections.ConfigDict:
   a.qk_nope_dim = 128
   a.qk_rope_dim = 64     # NoPE: the "rope" slot is never rotated; one key shared by all heads
   a.v_head_dim = 128
-  # pallas_kernels.attention backend: "dense" ([B, H, T, T] fp32 scores), "flash" (the
-  # platform's flash kernel; interpret mode on CPU) or "auto" (flash on TPU and GPU, dense
-  # on CPU). Dense by default: splash's Mosaic compile makes a micro model's TPU train
-  # step compile take over 14 CPU-minutes here; configs for accelerators choose "auto".
+  # pallas_kernels.attention backend: "dense", "flash" or "auto" (flash on TPU/GPU). Dense
+  # by default: splash's Mosaic compile is slow for micro models; accelerator configs: "auto".
   a.attention = "dense"
-  # "expanded": keys and values per head from c_kv (k_nope, v = c_kv W_kvb), as written;
-  # "absorbed": W_kvb folded into the queries and outputs, so attention reads c_kv and the
-  # shared key (kv_lora + rope values a token, one "head") instead of H x (nope + rope + v):
-  # (kv_lora + rope + kv_lora) / (nope + rope + v) times the attention FLOPs, for sequences
-  # whose per-head keys would not fit (long context: each device attends over every position)
+  # "expanded": per-head keys and values from c_kv; "absorbed": W_kvb folded into queries
+  # and outputs so attention reads c_kv directly (long context, where per-head keys won't fit)
   a.form = "expanded"
   return a
 
@@ -109,62 +95,46 @@ def _moe() -> ml_collections.ConfigDict:
   e.num_shared = 2
   e.shared_dim = 3_072
   e.routed_scaling = 1.0
-  e.dispatch = "dropless"    # "dropless" (ragged_dot), "capacity" (fixed buffers),
-                             # "expert_parallel" (capacity, all-to-all of z over mesh.expert),
-                             # "expert_parallel_dropless" (dropless per device, ragged
-                             # all-to-all over mesh.expert; TPU / GPU only)
-                             # or "auto": one of those per platform, by the rule of
-                             # k3jax.model.moe_dispatch.resolve_dispatch
+  e.dispatch = "dropless"    # one of DISPATCHES (k3jax.model.moe_dispatch); "auto": per
+                             # platform, by resolve_dispatch
   e.capacity_factor = 2.0    # "capacity": rows per expert = factor * tokens * top_k / experts
-  # The dropless dispatches route a device's tokens this many at a time, each chunk's
-  # expert activations rematerialized (0: all at once); bounds the MoE's memory at long
-  # sequences. The capacity dispatches refuse it (their buffers are per row)
+  # Dropless dispatches: tokens per rematerialized chunk (0: all at once); capacity refuses it
   e.token_chunk = 0
-  # The dropless dispatches' grouped matmuls (pallas_kernels.grouped_matmul): "auto" (the
-  # Mosaic GPU kernels on GPU, warp-specialized where the shapes fit their tiles; ragged_dot
-  # elsewhere), "reference" (ragged_dot), "kernel" (per-tile), "kernel_ws"
+  # pallas_kernels.grouped_matmul backend: auto, reference (ragged_dot), kernel, kernel_ws
   e.gmm_backend = "auto"
-  # "mxfp4": the routed experts' weights fake-quantized to the released K3's MXFP4 grid in
-  # the forward, gradients straight through (quantization-aware training; k3jax.model.mxfp4)
+  # "mxfp4": routed experts fake-quantized to MXFP4, straight-through (k3jax.model.mxfp4)
   e.expert_quant = "none"
-  # "quantile" (K3: Quantile Balancing), "aux_free" (DeepSeek-V3's bias sign step),
-  # "aux_loss" (Switch's auxiliary loss) or "none" (k3jax.model.balancing)
+  # "quantile" (K3), "aux_free", "aux_loss" or "none" (k3jax.model.balancing)
   e.balancing = "quantile"
   e.bias_update_speed = 1e-3  # "aux_free": each step b_j += speed * sign(mean load - load_j)
   e.aux_loss_weight = 0.0    # "aux_loss": alpha of the loss added (e.g. 0.01); 0 otherwise
   e.balance_bins = 1_000
-  # Cutoff r is measured against: "k_plus_1" (spec: the (k+1)-th value for every expert)
-  # or "leave_one_out" (the k-th value for unselected experts; removes the atom at b_j
-  # that lets loads stall below target, see quantile_balancing.solve_bias).
+  # Cutoff r: "k_plus_1" (spec) or "leave_one_out" (quantile_balancing.solve_bias)
   e.balance_cutoff = "k_plus_1"
   return e
 
 
 def _vision() -> ml_collections.ConfigDict:
-  v = ml_collections.ConfigDict()   # MoonViT-V2 (K3_SPEC 6; k3jax.model.vision)
+  v = ml_collections.ConfigDict()
   v.enabled = False      # True: K3Model builds the tower (fed by data.images)
   v.num_layers = 27
   v.width = 1_024
   v.num_heads = 12
   v.head_dim = 128       # attention inner width heads * head_dim = 1536
-  v.mlp_dim = 4_096      # GELU-tanh MLP
+  v.mlp_dim = 4_096
   v.patch_size = 14      # pixels per side of a patch: patches of 14 x 14 x 3
   v.merge = 2            # m x m neighbouring patches are concatenated into one token
-  # video: this many consecutive frames are mean-pooled into one token (the release: 4, the
-  # frames its fixed time table covers, init_pos_emb_time; a chunk's frames are averaged)
+  # video: consecutive frames mean-pooled into one token (the release: 4)
   v.temporal_pool = 4
   v.pos_grid = 64        # G: the table's base grid, interpolated bilinearly to each image
-  v.max_patches = 16_384  # N: patches in one packed buffer (and most of one image); the data
-                         # pipeline packs one buffer per batch row
+  v.max_patches = 16_384  # N: patches in one packed buffer (one per batch row)
   v.max_media = 64       # images / videos in one packed buffer (one batch row)
-  # The released K3's tower: 2-D RoPE on q and k in every block (head_dim's pairs turn by
-  # column and row in turn, theta 10000); its RMSNorms' eps is torch's default for bf16
+  # The released tower: 2-D RoPE on q and k (pairs by column and row in turn)
   v.rope_2d = True
   v.rope_theta = 10_000.0
   v.norm_eps = 2.0 ** -7  # the blocks' and the final norm's (the projector's: model.norm_eps)
-  # Projector merge**2 * width -> d_model: -1 (the release): Dense to merge**2 * width, GELU,
-  # Dense; > 0: the same this wide; 0: one Dense. projector_norm "post" (the release:
-  # RMSNorm of the output) or "pre" (of the input); projector_act "gelu" (erf) or "gelu_tanh"
+  # Projector hidden: -1 merge**2 * width (the release), > 0 that wide, 0 one Dense; norm
+  # "post" (release) or "pre"; act "gelu" (erf) or "gelu_tanh"
   v.projector_hidden = -1
   v.projector_norm = "post"
   v.projector_act = "gelu"

@@ -1,23 +1,7 @@
-"""The input embedding lookup with the table kept where the rules store it.
+"""The input embedding lookup under `jax.shard_map`, each device holding only its table slice.
 
-`jnp.take` of a table sharded over its width (`embed` -> fsdp) by tokens sharded over the
-batch is left to XLA's partitioner, which gathers the whole table to every device and, in
-the backward, scatter-adds each device's tokens into a whole fp32 [V, d] gradient before
-reducing it (k3_full: fp32 [163840, 7168], 4.4 GiB per device each way). `lookup` spells
-the exchange out under `jax.shard_map` on the mesh of `axes.use_rules`, with a device's
-share of the table [V / vocab ways, d / embed ways] the only table it ever holds:
-
-  1. all-gather the token ids over the mesh axes of `embed` (they split the batch rows or,
-     under context parallelism, the positions too): the ids of every device that holds
-     another slice of the width;
-  2. look them up in the local slice (vocab split over `tensor`: rows outside the slice are
-     zero and the slices are summed) -> [rows of the group, T, d / embed ways];
-  3. all-to-all over the same axes: each device gets its own rows at full width.
-
-The backward is the same in reverse: an all-to-all of the cotangent and a scatter-add into
-the local slice (the sum over the other batch axes, `data` and `expert`, is the
-shard_map's own reduction of a replicated input's gradient).
-"""
+XLA would gather the whole table (and its fp32 gradient) to every device; `lookup`
+all-gathers the ids over `embed`'s axes, looks up locally and all-to-alls back."""
 
 from __future__ import annotations
 
@@ -29,11 +13,7 @@ from k3jax import axes
 
 
 def lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
-  """table [V, d] (logical axes vocab, embed), tokens [B, T] int -> rows [B, T, d] in `dtype`,
-  equal to `jnp.take(table, tokens, axis=0).astype(dtype)`.
-
-  Without rules, or with rules whose `embed` axes do not all split the tokens (their batch
-  rows or, under context parallelism, their positions), it is that `jnp.take`."""
+  """table [V, d], tokens [B, T] -> rows [B, T, d] in `dtype`, as `jnp.take`."""
   mesh = axes.current_mesh()
   if mesh is None:
     return jnp.take(table, tokens, axis=0).astype(dtype)

@@ -1,43 +1,10 @@
-"""Expert-parallel capacity dispatch (K3_SPEC 4): the all-to-all carries the latent z.
+"""Expert-parallel dispatch (K3_SPEC 4) under `jax.shard_map`: the all-to-all carries the latent z.
 
-`moe.dispatch = "expert_parallel"` is the "capacity" dispatch run per device under
-`jax.shard_map` on the mesh installed by `axes.use_rules`, so its communication is
-spelled out rather than left to XLA. With ep devices on the mesh axis of the `experts`
-rule (`expert`), each of them:
-
-  1. builds the buffers [E, rows_local, C, L] of its own rows from its own z (the capacity
-     is per row, so this is exactly the unsharded dispatch's slice; under context
-     parallelism a row is the device's slice of a sequence);
-  2. all-to-all over `expert`: sends expert block j to peer j and receives, for its E/ep
-     local experts, the buffers of all ep peers: [E/ep, ep * rows_local, C, L];
-  3. runs its local experts as one batched matmul (`batched_glu_experts`);
-  4. all-to-all back: [E, rows_local, C, L], and combines with its routing weights.
-
-Only latent-wide buffers (L = moe.latent_dim) cross the all-to-all, never the hidden x
-(d_model). Routing (`latent_moe.route_per_device`), histograms and load statistics
-stay outside; the histograms are taken under jit on global arrays, so `aux["counts"]` is
-already the sum over every data-parallel device.
-
-Weights. The expert stacks [E, L, H] / [E, H, L] enter sharded as the rules store them
-(experts -> expert, latent -> fsdp, mlp -> tensor):
-  - the fsdp shards of L are all-gathered inside (in the compute dtype), so that the
-    gradient leaves as a reduce-scatter over fsdp: FSDP's usual pair, no full-size
-    gradient ever materialised;
-  - H stays split over tensor: every tensor peer holds the same tokens and computes the
-    partial output of its slice of H; the partials travel back through the all-to-all
-    and are summed (psum over tensor) after the combine, on u [rows_local, T, L], which
-    is k * capacity_factor times smaller than the buffers (and, in the backward, on dz).
-Without a mesh the dispatch is plain `capacity_moe`, the same function on one device.
-
-`moe.dispatch = "expert_parallel_dropless"` (`expert_parallel_dropless_moe`, TPU and GPU:
-`jax.lax.ragged_all_to_all` has no CPU lowering) is the dropless dispatch run the same way:
-each device sorts its own (token, slot) pairs by expert (`dropless_moe`), sends each peer on
-`expert` the contiguous rows of that peer's experts with a ragged all-to-all (the row counts
-first, with a plain all-to-all), runs its local experts as grouped matmuls
-(`jax.lax.ragged_dot`) on what it received, and sends the rows back. Nothing is dropped: the
-receive buffer holds the worst case, ep * (its own pair count) rows. With one device on
-`expert` it is the dropless dispatch per data-parallel device (no exchange).
-"""
+"expert_parallel": each device builds capacity buffers [E, rows_local, C, L] from its rows,
+all-to-alls them over the `experts` axis, runs its E/ep experts and sends them back; only
+latent-wide buffers cross. Expert stacks enter sharded: L all-gathered inside (gradient
+reduce-scattered), H split over tensor and psum'd after the combine. "expert_parallel_dropless"
+(TPU, GPU) does the same with ragged all-to-alls. Without a mesh: the moe_dispatch functions."""
 
 from __future__ import annotations
 
@@ -54,8 +21,7 @@ from k3jax.model.moe_dispatch import (batched_glu_experts, capacity_moe, droples
 
 
 def experts_split(mesh) -> bool:
-  """Whether the rules of `axes.use_rules` split the experts over devices of `mesh` (None:
-  no mesh, no split)."""
+  """Whether the rules split the experts over devices of `mesh` (None: no)."""
   if mesh is None:
     return False
   ep = axes.mesh_axes("experts")
@@ -65,13 +31,9 @@ def experts_split(mesh) -> bool:
 def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: jax.Array,
                         w_u: jax.Array, w_d: jax.Array, act, dtype, capacity: int):
   """The capacity dispatch with experts split over the mesh axis of `experts`.
-
-  z: [B, T, L]; idx: [B, T, k] int32; weights: [B, T, k] fp32; w_g, w_u: [E, L, H];
-  w_d: [E, H, L]; act: the fp32 GLU activation; capacity: pairs per expert per row (per
-  device's slice of a row where the rules split `seq`: context parallelism). The mesh
-  and the specs come from `axes.use_rules`; without it, `capacity_moe` runs on
-  one device. Returns (u [B, T, L] fp32, kept [B, T, k] bool), equal to `capacity_moe`'s.
-  """
+  z: [B, T, L]; idx, weights: [B, T, k]; w_g, w_u: [E, L, H]; w_d: [E, H, L]; capacity:
+  pairs per expert per (local slice of a) row. Returns (u [B, T, L] fp32, kept [B, T, k]),
+  equal to `capacity_moe`'s."""
   b, t, k = idx.shape
   num_experts = w_g.shape[0]
   mesh = axes.current_mesh()
@@ -97,8 +59,7 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
 
     z = z.reshape(bl * t, -1).astype(dtype)
     if hid:
-      # z is the same on every tensor peer; marking it varying here puts the backward's sum
-      # over tensor on dz [rows_local * T, L], not on the buffers (capacity_factor * k x).
+      # Varying here puts the backward's sum over tensor on dz, not on the larger buffers.
       z = jax.lax.pcast(z, hid, to="varying")
     u, kept = capacity_moe(z, idx.reshape(bl * t, k), weights.reshape(bl * t, k), experts,
                            num_experts, bl, capacity)
@@ -106,8 +67,7 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
       u = jax.lax.psum(u, hid)  # the partial sums of each tensor peer's slice of H
     return u.reshape(bl, t, -1), kept.reshape(bl, t, k)
 
-  rows = P(batch or None, seq or None, None)  # capacity is per row (per slice of a row
-                                             # under context parallelism)
+  rows = P(batch or None, seq or None, None)
   stack_in, stack_out = P(ep or None, lat or None, hid or None), P(ep or None, hid or None,
                                                                    lat or None)
   return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, stack_in, stack_in,
@@ -116,8 +76,7 @@ def expert_parallel_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, w_g: j
 
 
 def _layout(mesh, num_experts: int, name: str):
-  """(batch, ep, lat, hid): the mesh axes of the rules' `batch`, `experts`, `latent`, `mlp`;
-  ValueError when the experts or the batch cannot be split as the dispatch `name` needs."""
+  """Mesh axes of `batch`, `experts`, `latent`, `mlp`; ValueError if they cannot split."""
   batch = axes.mesh_axes("batch")
   ep, lat, hid = (axes.mesh_axes(name) for name in ("experts", "latent", "mlp"))
   if len(ep) > 1:
@@ -138,8 +97,7 @@ def _layout(mesh, num_experts: int, name: str):
 
 
 def _gather_latent(w_g, w_u, w_d, dtype, lat):
-  """The local expert stacks in `dtype`, their fsdp shards of L all-gathered (the gradient
-  leaves as a reduce-scatter): [E/ep, L, H/tensor], [E/ep, H/tensor, L]."""
+  """Local expert stacks in `dtype` with L all-gathered: [E/ep, L, H/tp], [E/ep, H/tp, L]."""
   w_g, w_u, w_d = w_g.astype(dtype), w_u.astype(dtype), w_d.astype(dtype)
   if lat:
     w_g = jax.lax.all_gather(w_g, lat, axis=1, tiled=True)
@@ -150,12 +108,8 @@ def _gather_latent(w_g, w_u, w_d, dtype, lat):
 
 def _ragged_exchange(run, rows: jax.Array, group_sizes: jax.Array, axis: str) -> jax.Array:
   """`run` (local grouped experts) on the rows of the local experts of every peer on `axis`.
-
-  rows: [M, L] this device's pairs sorted by expert; group_sizes: [E] int32 pairs per
-  expert. Peer j owns experts [j E_l, (j+1) E_l), E_l = E / ep, so its rows are one
-  contiguous block. run: (rows [R, L] sorted by local expert, sizes [E_l]) -> [R, L].
-  Returns [M, L]: each row's expert output, in the order of `rows`.
-  """
+  rows: [M, L] sorted by expert; group_sizes: [E]. Peer j owns experts [j E_l, (j+1) E_l).
+  Returns [M, L] in the order of `rows`."""
   ep = jax.lax.axis_size(axis)
   m, num_experts = rows.shape[0], group_sizes.shape[0]
   el = num_experts // ep
@@ -170,15 +124,14 @@ def _ragged_exchange(run, rows: jax.Array, group_sizes: jax.Array, axis: str) ->
   buf = jax.lax.ragged_all_to_all(rows, jnp.zeros((capacity, rows.shape[1]), rows.dtype),
                                   input_offsets, send_sizes, output_offsets, recv_sizes,
                                   axis_name=axis)                     # [ep * M, L]
-  # The buffer is ordered (source, local expert); regroup by local expert (stable), with the
-  # unused tail (local expert E_l) last.
+  # Regroup (source, local expert) order by local expert, the unused tail last.
   ends = jnp.cumsum(counts.reshape(-1))                               # [ep * E_l]
   segment = jnp.searchsorted(ends, jnp.arange(capacity), side="right")
   local_expert = jnp.where(segment < ep * el, segment % el, el)
   order = jnp.argsort(local_expert, stable=True)
   out_sorted = run(jnp.take(buf, order, axis=0), counts.sum(0))       # [ep * M, L]
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(capacity, dtype=order.dtype))
-  out = jnp.take(out_sorted, inverse, axis=0)                         # buffer order
+  out = jnp.take(out_sorted, inverse, axis=0)
   back = jax.lax.all_to_all(input_offsets, axis, 0, 0, tiled=True)    # where rows came from
   return jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_offsets, recv_sizes,
                                    back, send_sizes, axis_name=axis)
@@ -189,15 +142,7 @@ def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Arra
                                  dtype, gmm_backend: str = "auto",
                                  platform: str | None = None,
                                  token_chunk: int = 0) -> jax.Array:
-  """The dropless dispatch per device, experts split over the mesh axis of `experts` and
-  exchanged with ragged all-to-alls (module docstring; TPU and GPU).
-
-  z: [B, T, L]; idx: [B, T, k] int32; weights: [B, T, k] fp32; w_g, w_u: [E, L, H];
-  w_d: [E, H, L]; act: the fp32 GLU activation; gmm_backend, platform: of the grouped
-  matmuls (`ragged_glu_experts`); token_chunk: each device's tokens dispatched that many
-  at a time (`dropless_moe`). Without a mesh, `dropless_moe` on one device. Returns
-  u [B, T, L] fp32, equal to `dropless_moe`'s.
-  """
+  """The dropless dispatch per device with ragged all-to-alls; u [B, T, L] fp32."""
   b, t, k = idx.shape
   num_experts = w_g.shape[0]
   mesh = axes.current_mesh()
@@ -218,7 +163,7 @@ def expert_parallel_dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Arra
                if ep and mesh.shape[ep[0]] > 1 else run)
     z = z.reshape(bl * t, -1).astype(dtype)
     if hid:
-      z = jax.lax.pcast(z, hid, to="varying")  # as in expert_parallel_moe
+      z = jax.lax.pcast(z, hid, to="varying")
     u = dropless_moe(z, idx.reshape(bl * t, k), weights.reshape(bl * t, k), experts,
                      num_experts, token_chunk)
     if hid:

@@ -1,22 +1,8 @@
 """The K3 language model: the hybrid KDA/MLA stack with Block AttnRes and LatentMoE.
 
-Layer i (1-based) mixes tokens with MLA if i % mla_every == 0 or it is the last layer
-and `final_mla`; KDA otherwise. The first `dense_layers` layers use the dense SiTU-GLU
-FFN, the rest Stable LatentMoE. Each layer is
-
-    h -> AttnRes -> norm -> mixer -> AttnRes -> norm -> FFN/MoE
-
-(with `attn_res.enabled = False`, AttnRes is the plain residual stream). The layers
-are grouped as: a `prefix` holding the first hybrid cycle when it contains dense
-layers, `cycles` (identical [KDA]*(mla_every-1) + [MLA] cycles, parameters stacked on a
-leading `layers` axis and run under `jax.lax.scan`, so compile time does not grow with
-depth), and a `suffix` of the remaining layers.
-
-With `model.vision.enabled` the model also holds the MoonViT-V2 tower (`vision`);
-`embed_with_images` puts its features over the placeholder tokens of the input embedding,
-and `__call__(tokens, segment_ids, media)` runs the stack on that embedding (the train
-step passes the batch's per-row media when it carries any).
-"""
+Layer i (1-based) is MLA if i % mla_every == 0 (or last, with `final_mla`), else KDA; the
+first `dense_layers` use the dense FFN, the rest LatentMoE: h -> AttnRes -> norm -> mixer ->
+AttnRes -> norm -> FFN. Layers group into `prefix`, scanned `cycles` and `suffix`."""
 
 from __future__ import annotations
 
@@ -105,11 +91,7 @@ class Layer(nnx.Module):
       return attn_res.write(stream, out, self.block_sublayers)
 
   def __call__(self, stream, segment_ids: jax.Array, valid: jax.Array):
-    """stream: a BlockState (AttnRes) or the residual [B, T, d]. Returns (stream, aux):
-    aux holds the mixer's aux (MLA: "logit_max" [H]) and, for a MoE layer, "moe".
-
-    The named scopes ("kda"/"mla", "moe"/"ffn", "attn_res") label the compiled ops for
-    profiles (benchmarks/step_components.py)."""
+    """stream: a BlockState (AttnRes) or the residual [B, T, d] -> (stream, aux)."""
     h = self._read(stream, self.mixer_query if self.attn_res else None)
     with jax.named_scope("mla" if self.is_mla else "kda"):
       out, aux = self.mixer(self.mixer_norm(h), segment_ids)
@@ -123,8 +105,7 @@ class Layer(nnx.Module):
     return self._write(stream, out), aux
 
   def step(self, stream, cache: dict, pos: jax.Array):
-    """One token a row (decoding): the stream of [B, 1] positions at pos [B], the mixer's
-    cache (`init_cache`) -> (stream, the token's entry for `write_cache`)."""
+    """One decoding token a row at pos [B] -> (stream, entry for `write_cache`)."""
     return self._decode(stream, lambda h: self.mixer.step(h, cache, pos))
 
   def write_cache(self, cache: dict, entry: dict, pos: jax.Array, index: tuple = ()) -> dict:
@@ -132,8 +113,7 @@ class Layer(nnx.Module):
     return self.mixer.write(cache, entry, pos, index)
 
   def prefill(self, stream, segment_ids: jax.Array, max_len: int):
-    """Whole prompts (one document a row) -> (stream, the mixer's decoding cache after
-    them, `max_len` positions long)."""
+    """Whole prompts -> (stream, the mixer's decoding cache of `max_len` positions)."""
     if self.is_mla:
       return self._decode(stream, lambda h: self.mixer.prefill(h, segment_ids, max_len))
     return self._decode(stream, lambda h: self.mixer.prefill(h, segment_ids))
@@ -160,9 +140,7 @@ class Cycle(nnx.Module):
     every = cfg_model.mla_every
     self.layers = nnx.List([Layer(cfg_model, "kda" if j < every - 1 else "mla", "moe", rngs=rngs)
                             for j in range(every)])
-    # model.remat_scope == "layer": each layer is its own remat region inside the cycle's
-    # (K3Model applies the cycle's), so that the cycle's backward recomputes and holds one
-    # layer's activations at a time, not all of them, for one more forward of each layer.
+    # remat_scope "layer": the cycle's backward holds one layer's activations at a time.
     self.policy = (REMAT[cfg_model.remat] if cfg_model.remat != "none"
                    and cfg_model.remat_scope == "layer" else None)
 
@@ -207,7 +185,7 @@ class K3Model(nnx.Module):
       self.out_query = attn_res.AttnResQuery(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
     self.final_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
     self.lm_head = layers.Dense(d, v, ("embed", "vocab"), rngs=rngs, dtype=self.dtype,
-                                param_dtype=pdt, muon=None)  # AdamW (K3_SPEC 5)
+                                param_dtype=pdt, muon=None)
     # MoonViT-V2 (K3_SPEC 6) when model.vision.enabled.
     self.vision = nnx.data(VisionTower(cfg_model, rngs=rngs) if cfg_model.vision.enabled
                            else None)
@@ -230,18 +208,8 @@ class K3Model(nnx.Module):
 
   def hidden(self, tokens: jax.Array, segment_ids: jax.Array,
              media: PackedMedia | None = None):
-    """Returns (h [B, T, d], aux): the stack's output after the final norm, what the LM head
-    reads (the train step may apply it a chunk of the sequence at a time).
-
-    media: None (text only), or the images of the batch (`embed_with_images`), whose
-    features replace the placeholder tokens' embeddings.
-
-    aux mirrors the layer groups: {"prefix": [...], "cycles": [...], "suffix": [...]}, one
-    dict per layer (stacked on a leading cycle axis for the scanned cycles): "moe" (the
-    Quantile-Balancing `counts`, per-expert `load`, `dropped`, the auxiliary loss
-    `aux_loss`) on MoE layers and "logit_max" (per head) on MLA layers. `update_balance`,
-    `qk_clip` and `balance_loss` consume it.
-    """
+    """(h [B, T, d] after the final norm, aux {"prefix", "cycles", "suffix"}: per layer
+    "moe" stats or "logit_max", scanned ones stacked). media: None or `embed_with_images`'s."""
     valid = segment_ids > 0
     with jax.named_scope("embed"):
       if media is None:
@@ -279,21 +247,13 @@ class K3Model(nnx.Module):
     return constrain(self.final_norm(h), ("batch", "seq", "embed")), aux
 
   def embed_images(self, media: PackedMedia) -> jax.Array:
-    """Vision features [max_patches // merge**2, d] of packed images / videos (compute dtype;
-    `k3jax.model.vision`)."""
+    """Vision features [max_patches // merge**2, d] of packed media."""
     if self.vision is None:
       raise ValueError("K3Model.embed_images: model.vision.enabled is False")
     return self.vision(media)
 
   def embed_with_images(self, tokens: jax.Array, media: PackedMedia) -> jax.Array:
-    """The input embedding [B, T, d] of `tokens` [B, T] with image features over the
-    placeholder tokens (model.vision.placeholder_id).
-
-    media: one PackedMedia for the batch (patches [N, P*P*3]): the k-th placeholder,
-    row-major over [B, T], gets feature row k; or one per row (leading batch axis, patches
-    [B, N, P*P*3], what the data pipeline gives): the tower runs on each row's buffer
-    (attention never spans rows) and row b's k-th placeholder gets its feature row k.
-    """
+    """Embedding [B, T, d] with image features over the placeholders (one media or per row)."""
     x = embedding.lookup(self.embed[...], tokens, self.dtype)
     if jnp.ndim(media.patches) == 2:
       x = insert_features(x, tokens, self.embed_images(media), self.placeholder_id)
@@ -306,8 +266,7 @@ class K3Model(nnx.Module):
 
   @staticmethod
   def reduce_aux(stacked):
-    """The aux of a batch from its microbatches' aux, stacked on a leading axis: MoE
-    histograms, loads and drop counts add up; MLA per-head logit maxima take the max."""
+    """Microbatch aux stacked on axis 0 -> the batch's: sums, and max for logit_max."""
     def reduce(path, x):
       if getattr(path[-1], "key", None) == "logit_max":
         return jnp.max(x, axis=0)
@@ -315,8 +274,7 @@ class K3Model(nnx.Module):
     return jax.tree.map_with_path(reduce, stacked)
 
   def all_layers(self):
-    """(group, index, Layer) for every layer, index into the aux structure. A "cycles"
-    Layer holds parameters stacked over the scanned cycles."""
+    """(group, index, Layer) for every layer; "cycles" Layers are stacked."""
     for group in ("prefix", "cycles", "suffix"):
       if group == "cycles":
         layers_ = self.cycles.layers if self.cycles is not None else ()
@@ -326,10 +284,7 @@ class K3Model(nnx.Module):
         yield group, i, layer
 
   def balance_loss(self, aux, tokens: jax.Array) -> jax.Array | None:
-    """The auxiliary balancing loss to add to the LM loss, None unless moe.balancing is
-    "aux_loss": moe.aux_loss_weight times the mean over MoE layers of each layer's
-    `balancing.switch_loss`, from a forward's aux. tokens: the valid tokens of the whole
-    batch; a microbatch's forward gives its share of the batch's token-weighted mean."""
+    """The aux_loss balancing term over `tokens` valid tokens, or None."""
     terms, weight = [], 0.0
     for group, i, layer in self.all_layers():
       if layer.is_moe and layer.ffn.balancing == "aux_loss":
@@ -340,10 +295,7 @@ class K3Model(nnx.Module):
     return weight * jnp.mean(jnp.concatenate(terms)) / tokens
 
   def update_balance(self, aux) -> dict[str, jax.Array]:
-    """After an optimizer step: update every MoE layer's balancing bias from the step's
-    summed aux (`LatentMoE.update_balance`: Quantile Balancing's solve, the aux-free sign
-    step, or nothing) and return load statistics: the worst and the average over layers
-    of max/mean expert load, and dropped tokens."""
+    """After an optimizer step: update every MoE bias; returns load statistics."""
     ratios, dropped = [], 0
     for group, i, layer in self.all_layers():
       if not layer.is_moe:
@@ -360,8 +312,7 @@ class K3Model(nnx.Module):
             "moe_dropped": dropped}
 
   def qk_clip(self, aux, tau: float) -> dict[str, jax.Array]:
-    """After an optimizer step: QK-Clip every MLA layer with the step's per-head max
-    logits (tau <= 0: only report). Returns the largest logit and the clipped heads."""
+    """After an optimizer step: QK-Clip every MLA layer (tau <= 0: report only)."""
     maxima, clipped = [], 0
     for group, i, layer in self.all_layers():
       if not layer.is_mla:

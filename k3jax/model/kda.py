@@ -1,9 +1,7 @@
 """The Kimi Delta Attention layer (K3_SPEC 2.1): projections, short conv, bounded gate.
 
-The token-mixing recurrence lives in `pallas_kernels.kda`, the short convolution (with its
-SiLU and q/k's L2 norm) in `pallas_kernels.short_conv`; this layer calls their dispatchers
-with the backends named in `config.model.kda.backend` and `.conv_backend`.
-"""
+The recurrence is `pallas_kernels.kda`, the short conv `pallas_kernels.short_conv`
+(backends: `model.kda.backend`, `.conv_backend`)."""
 
 from __future__ import annotations
 
@@ -60,7 +58,7 @@ class KDA(nnx.Module):
               lambda key, s, t: jnp.log(jax.random.uniform(key, s, t, 1.0, 16.0)))
     self.A_log = layers.param(rngs, a_init, (h,), ("heads",), pdt)
     self.dt_bias = layers.param(rngs, _dt_bias_init, (h, k), ("heads", "head_dim"), pdt)
-    self.gate_proj = layers.Dense(d, (h, k), hd, **dense)  # full-rank output gate
+    self.gate_proj = layers.Dense(d, (h, k), hd, **dense)
     self.o_norm = layers.RMSNorm(k, "head_dim", eps=cfg_model.norm_eps, param_dtype=pdt,
                                  rngs=rngs)
     self.o_proj = layers.Dense((h, k), d, ("heads", "head_dim", "embed"), **dense)
@@ -81,9 +79,7 @@ class KDA(nnx.Module):
     return self._forward(x, segment_ids, False)
 
   def prefill(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:
-    """`__call__` on whole prompts (one document a row) that also returns the decoding
-    cache after them (`init_cache`'s layout): the final state and the last W - 1 tokens'
-    projections (zeros before the first token)."""
+    """`__call__` that also returns the decoding cache after the prompts."""
     return self._forward(x, segment_ids, True)
 
   def _forward(self, x, segment_ids, cache: bool):
@@ -118,16 +114,13 @@ class KDA(nnx.Module):
     return y, axes.constrain_each({"conv": tail, "state": state}, CACHE_AXES)
 
   def init_cache(self, batch: int, dtype) -> dict:
-    """The decoding state of `batch` rows: {"conv": the last W - 1 tokens' q, k, v projections
-    [B, W - 1, 3, H, K] (`dtype`), "state": the recurrence's [B, H, K, K] fp32}."""
+    """{"conv": [B, W - 1, 3, H, K] last q/k/v projections, "state": [B, H, K, K] fp32}."""
     w, h, k = self.q_conv.shape[0], *self.dt_bias.shape
     return axes.constrain_each({"conv": jnp.zeros((batch, w - 1, 3, h, k), dtype),
                                 "state": jnp.zeros((batch, h, k, k), jnp.float32)}, CACHE_AXES)
 
   def step(self, x: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
-    """One token a row: x [B, 1, d] -> (y [B, 1, d], the entry for `write`: the cache after
-    it); what `__call__` computes at that position after the tokens the cache has seen.
-    pos is unused (the state holds the past)."""
+    """One token a row: x [B, 1, d] -> (y [B, 1, d], the new cache); pos is unused."""
     del pos
     projs = [p(x) for p in (self.q_proj, self.k_proj, self.v_proj)]          # [B, 1, H, K]
     window = jnp.concatenate([cache["conv"], jnp.stack(projs, 2).astype(
@@ -144,8 +137,7 @@ class KDA(nnx.Module):
     return self.o_proj(o.astype(x.dtype)), {"conv": window[:, 1:], "state": state}
 
   def write(self, cache: dict, entry: dict, pos: jax.Array, index: tuple = ()) -> dict:
-    """The cache after `step`: its entry (the whole state and conv tail) replaces the old
-    one; index: positions in leading (stacked layer) axes."""
+    """`entry` replaces the cache; index: leading (layer) positions."""
     del pos
     return axes.constrain_each({key: cache[key].at[index].set(entry[key].astype(cache[key].dtype))
                                 for key in cache}, CACHE_AXES, stacked=len(index))

@@ -6,29 +6,8 @@
   u = sum_{j in T} p_j * routed_scaling * E_j(z)     combined in the latent (fp32)
   y = sum_shared GLU(x) + RMSNorm(u) W_up [B, T, d]
 
-A dispatch maps z and the routing to u, chosen by `moe.dispatch` (`moe_dispatch.py`,
-`expert_parallel.py`):
-  "dropless": the (token, slot) pairs are sorted by expert and the experts run as grouped
-      matmuls (`jax.lax.ragged_dot`): exact, fast where ragged_dot lowers natively (TPU);
-  "capacity": each expert gets a fixed buffer of ceil(capacity_factor * T k / E) rows per
-      sequence and runs as one batched matmul; pairs beyond a buffer are dropped (counted
-      in aux["dropped"]), later positions first, so dispatch stays causal. Dense-rate
-      matmuls on every backend; packed documents can still take buffer space from later
-      documents of the same row, so only "dropless" makes them fully independent;
-  "expert_parallel": "capacity" under `shard_map` on the active mesh, experts split over
-      the `expert` axis and an explicit all-to-all of the latent buffers; the same result;
-  "expert_parallel_dropless": "dropless" the same way, the sorted rows exchanged with
-      ragged all-to-alls (TPU and GPU only); per data-parallel device when mesh.expert is 1;
-  "auto": one of the above by the rule of `moe_dispatch.resolve_dispatch`, for the
-      platform of the mesh installed by `axes.use_rules`, else JAX's default backend (a
-      compile-only TPU mesh on a CPU host, as in `k3jax.aot`, gets the TPU choice).
-
-The bias is a `BalanceBias` variable, not a parameter: the train step sums the returned
-aux over microbatches (and data-parallel devices) and calls `update_balance` once per step.
-It solves the bias from the histograms `aux["counts"]` (moe.balancing "quantile",
-`update_bias`) or moves it a sign step against `aux["load"]` ("aux_free"); "aux_loss"
-returns its loss in `aux["aux_loss"]` (`balancing.py` describes the balancers).
-"""
+`moe.dispatch` picks how z becomes u (moe_dispatch.py, expert_parallel.py); the train step
+sums aux over microbatches and devices and calls `update_balance` once per step."""
 
 from __future__ import annotations
 
@@ -55,12 +34,7 @@ from pallas_kernels.platform import target_platform
 
 
 def route_per_device(scores: jax.Array, bias: jax.Array, k: int):
-  """`qb.route` (scores [N, E], rows split like the batch; bias [E]) on each device's own
-  tokens under the mesh of `axes.use_rules`; plain `qb.route` without one.
-
-  XLA's partitioner does not split top_k along the batch: under jit alone it all-gathers
-  every token's scores [N, E] to every device (seen on CPU, GSPMD and Shardy alike).
-  """
+  """`qb.route` per device under the mesh (XLA would all-gather scores for top_k)."""
   mesh = axes.current_mesh()
   if mesh is None:
     return qb.route(scores, bias, k)
@@ -72,17 +46,8 @@ def route_per_device(scores: jax.Array, bias: jax.Array, k: int):
 
 class LatentMoE(nnx.Module):
   """x [B, T, d], valid [B, T] bool or None -> (y [B, T, d], aux).
-
-  aux = {"counts": int32 [E, balance_bins], the Quantile-Balancing histogram of this call
-                   (valid tokens only; zeros unless moe.balancing == "quantile"),
-         "load":   int32 [E], valid (token, slot) pairs routed to each expert,
-         "dropped": int32 [], valid pairs that found their expert's buffer full
-                    (always 0 for the dropless dispatch),
-         "aux_loss": fp32 [], the valid tokens times `balancing.switch_loss` of this call's
-                     routing (0 unless moe.balancing == "aux_loss"), differentiable}.
-  All are sums over tokens: add them across microbatches and devices (the summed
-  "aux_loss" over the summed tokens is the calls' token-weighted mean loss).
-  """
+  aux: "counts" int32 [E, bins] (QB histogram), "load" int32 [E], "dropped" int32 [],
+  "aux_loss" fp32 [] (valid tokens x switch_loss); all sums over tokens."""
 
   def __init__(self, cfg_model, *, rngs: nnx.Rngs):
     e, f = cfg_model.moe, cfg_model.ffn
@@ -110,7 +75,6 @@ class LatentMoE(nnx.Module):
                         param_dtype=jnp.float32, muon="router")
     self.bias = qb.BalanceBias(jnp.zeros((n_exp,), jnp.float32), out_sharding=("experts",),
                                eager_sharding=False)
-    # each used once per forward, cast to the compute dtype (the dispatches' experts fns)
     expert_matrix = dict(muon="matrix", muon_roles=("expert", "in", "out"), compute_dtype=dtype,
                          compute_quant=None if e.expert_quant == "none" else e.expert_quant)
     self.weights_prepared = False  # True: the step quantized and cast them (cast_params_once)
@@ -129,9 +93,7 @@ class LatentMoE(nnx.Module):
         for _ in range(e.num_shared)])
 
   def expert_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """w_g, w_u [E, latent, hidden], w_d [E, hidden, latent]; on the MXFP4 grid (groups
-    along each matrix's input axis) with `moe.expert_quant="mxfp4"`, unless the train step
-    already put them there (`weights_prepared`)."""
+    """w_g, w_u [E, latent, hidden], w_d [E, hidden, latent], MXFP4-quantized if asked."""
     ws = self.w_g[...], self.w_u[...], self.w_d[...]
     if self.expert_quant == "mxfp4" and not self.weights_prepared:
       ws = tuple(mxfp4.fake_quantize(w, axis=-2) for w in ws)
@@ -168,7 +130,7 @@ class LatentMoE(nnx.Module):
     w_g, w_u, w_d = self.expert_weights()
     u, dropped = self._dispatch(dispatch, platform, z, idx, w, (w_g, w_u, w_d), act,
                                  flat_valid)
-    u = constrain(u.reshape(b, t, -1), ("batch", "seq", "latent"))  # fp32
+    u = constrain(u.reshape(b, t, -1), ("batch", "seq", "latent"))
     y = self.w_up(self.latent_norm(u).astype(self.dtype))
     with jax.named_scope("shared"):
       for mlp in self.shared:
@@ -189,9 +151,7 @@ class LatentMoE(nnx.Module):
     return y, {"counts": counts, "load": load, "dropped": dropped, "aux_loss": aux_loss}
 
   def update_balance(self, moe_aux: dict):
-    """After an optimizer step, the bias for the next from the step's summed aux, in place:
-    "quantile" solves it from the histograms (`update_bias`), "aux_free" moves it by
-    `balancing.sign_step` against the loads; the other balancings keep it (zero)."""
+    """After an optimizer step, the next bias from the summed aux, in place."""
     if self.balancing == "quantile":
       update_bias(self, moe_aux["counts"])
     elif self.balancing == "aux_free":
@@ -200,8 +160,7 @@ class LatentMoE(nnx.Module):
 
   @jax.named_scope("dispatch")
   def _dispatch(self, dispatch, platform, z, idx, w, experts_w, act, flat_valid):
-    """u [N, L] fp32 (rows of z [B, T, L] through their experts, weighted by w [N, k]) and
-    the count of dropped (token, expert) pairs, by the resolved `dispatch`."""
+    """(u [N, L] fp32, dropped pairs) of z [B, T, L] by the resolved `dispatch`."""
     (b, t, _), k, n_exp = z.shape, self.top_k, self.num_experts
     n, (w_g, w_u, w_d) = b * t, experts_w
     if dispatch == "dropless":
@@ -230,13 +189,8 @@ class LatentMoE(nnx.Module):
 
 def update_bias(target: LatentMoE | qb.BalanceBias, counts: jax.Array, k: int | None = None):
   """Replace the balancing bias by `solve_bias` of a step's summed histogram, in place.
-
-  target: a LatentMoE (k is read from it; a no-op when its balancing is "none") or a
-  BalanceBias (pass k). counts: int32 [E, bins] for a bias [E], or [layers, E, bins] for
-  a stacked bias [layers, E] (scanned layers), solved per layer with vmap. Call it once
-  per optimizer step, after summing `aux["counts"]` over microbatches and devices; under
-  jit, pass the module through nnx.jit / nnx.split-merge so the update is kept.
-  """
+  target: a LatentMoE or a BalanceBias (pass k). counts: [E, bins] or [layers, E, bins]
+  (stacked, vmapped), summed over microbatches and devices."""
   if isinstance(target, LatentMoE):
     if target.balancing != "quantile":
       return

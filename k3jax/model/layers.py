@@ -1,24 +1,8 @@
 """Building blocks every K3 layer uses: parameters with logical axes, Dense, RMSNorm.
 
-Parameters are stored in `param_dtype` (fp32 by default) and cast to the compute
-`dtype` (bf16 by default) where they are used.
-
-Every parameter also says how an optimizer should treat it (K3_SPEC 5), as metadata the
-optimizer reads instead of matching names:
-  muon        "matrix" (orthogonalize with Muon), "router" (a matrix the config may send
-              to AdamW), or absent (AdamW: embeddings, the LM head, norms, vectors, convs).
-  muon_roles  one role per axis of a Muon parameter: "in" or "out" (the matrix' fan-in
-              and fan-out sides), "expert" (each expert is its own block), "head" (an
-              output axis that per-head Muon splits into one block per head).
-Axes a `nnx.vmap` stacks on later (logical name "layers") carry no role: each layer is
-its own block.
-
-A parameter may also name its `compute_dtype`, and its `compute_quant` ("mxfp4": values
-on the MXFP4 grid, straight-through gradients): every use first quantizes it, then casts it
-to that dtype, once per forward, and its gradient reaches it only through those. The train
-step may then do both once per step instead (`train.cast_params_once`, `weights_prepared`
-on the modules) and get the same gradients.
-"""
+Parameters live in `param_dtype`, cast to `dtype` where used. Optimizer metadata (K3_SPEC 5):
+`muon` ("matrix", "router"; absent: AdamW), `muon_roles` per axis ("in", "out", "expert",
+"head"); `compute_dtype` / `compute_quant` ("mxfp4"): how every use sees a parameter."""
 
 from __future__ import annotations
 
@@ -42,12 +26,7 @@ def param(rngs: nnx.Rngs | None, init: Initializer, shape: Sequence[int], axes: 
           dtype=jnp.float32, *, muon: str | None = None,
           muon_roles: Sequence[str] | None = None, compute_dtype=None,
           compute_quant: str | None = None) -> nnx.Param:
-  """An `nnx.Param` of `shape` whose logical axis names are `axes`.
-
-  muon / muon_roles: the optimizer metadata of the module docstring (both or neither).
-  compute_dtype: the dtype every use casts it to (module docstring); None where it differs
-  from dtype nowhere or not always. compute_quant: "mxfp4" where every use quantizes it.
-  """
+  """An `nnx.Param` with logical axes `axes` and optimizer metadata (module docstring)."""
   if len(axes) != len(shape):
     raise ValueError(f"param: axes {axes} do not match shape {tuple(shape)}")
   meta = {}
@@ -84,15 +63,8 @@ def zeros(key, shape, dtype):
 
 class Dense(nnx.Module):
   """y = x W, contracting the trailing `in_shape` dims of x into `out_shape`.
-
-  x: [..., *in_shape] -> y: [..., *out_shape]; W: [*in_shape, *out_shape] with logical
-  names `axes` (one per dim of W). Initialised N(0, 1/fan_in) (truncated) unless
-  `init_std` says otherwise.
-
-  muon: how the optimizer treats W (module docstring): "matrix" (default), "per_head"
-  (a Q/K/V projection: its output axis named "heads" gives one Muon block per head),
-  "router", or None (AdamW).
-  """
+  W: [*in_shape, *out_shape] with logical names `axes`, init N(0, 1/fan_in) truncated.
+  muon: "matrix" (default), "per_head" (one block per "heads" entry), "router" or None."""
 
   def __init__(self, in_shape: int | Sequence[int], out_shape: int | Sequence[int],
                axes: AxisNames, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,

@@ -8,20 +8,12 @@
   o    = softmax(q k^T / sqrt(nope + rope), causal + document mask) v
   y    = (o * sigmoid(x W_g)) W_o
 
-The absorbed form (model.mla.form = "absorbed") computes the same function with W_kvb
-folded into both ends, W_kvb = [W_uk | W_uv] per head:
+The absorbed form (`mla.form`) folds W_kvb = [W_uk | W_uv] into the queries and outputs:
+q' = [q_nope W_uk^T, q_rope], k' = [c_kv, k_r] (one head), o = softmax(q' k'^T) c_kv W_uv.
 
-  q_h' = [q_nope_h W_uk_h^T, q_rope_h]         [B, T, H, kv_lora + rope]
-  k'   = [c_kv, k_r]                           [B, T, 1, kv_lora + rope]  one "head"
-  o_h  = (softmax(q' k'^T / sqrt(nope + rope)) c_kv) W_uv_h
-
-so attention reads kv_lora + rope values a key instead of H x (nope + rope + v).
-
-The "rope" slot is NoPE: nothing is ever rotated. Weight layouts, for per-head Muon and
-QK-Clip (spec 5): `wq_b.kernel` is [q_lora, H, nope + rope] with the per-head rope-slot
-query in `[..., nope:]`; `wkv_b.kernel` is [kv_lora, H, nope + v] with k_nope in
-`[..., :nope]`; the shared key slot is `wkv_a.kernel[:, kv_lora:]`.
-"""
+The "rope" slot is NoPE (never rotated). For per-head Muon and QK-Clip: `wq_b.kernel`
+[q_lora, H, nope + rope], `wkv_b.kernel` [kv_lora, H, nope + v], shared key slot
+`wkv_a.kernel[:, kv_lora:]`."""
 
 from __future__ import annotations
 
@@ -39,21 +31,14 @@ BTE = ("batch", "seq", "embed")
 BTHD = ("batch", "seq", "heads", "head_dim")
 KV = ("batch", "kv_seq", "heads", "head_dim")   # keys and values: all positions of a row
 SHARED_KV = ("batch", "kv_seq", None, "head_dim")  # the absorbed form's one key / value "head"
-# The decoding cache: rows, and the cached positions as a sequence's (split over `context`,
-# each device attending over its part of every row's past)
 CACHE_AXES = {"latent": ("batch", "cache_seq", None)}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
               scale: float, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
-  """Causal + document-masked attention through `pallas_kernels.attention` (`backend`:
-  model.mla.attention); under the mesh of `axes.use_rules` the kernels run per device.
-
-  q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk] (1 = one key shared by all heads);
-  v: [B, T, H, Dv]; segment_ids: [B, T] int (0 = padding, sees only itself). Returns the
-  output [B, T, H, Dv] in v's dtype and, for QK-Clip, each head's largest pre-softmax
-  logit over the real (non-padding) queries and the keys they see: [H] fp32, no gradient.
-  """
+  """Causal + document-masked attention (`pallas_kernels.attention`, per device).
+  q: [B, T, H, Dqk]; k: [B, T, H or 1, Dqk]; v: [B, T, H, Dv]; segment_ids: [B, T].
+  Returns o [B, T, H, Dv] and each head's max pre-softmax logit [H] fp32 (QK-Clip)."""
   spec = axes.logical_to_spec(BTHD)   # where q/k/v live, for the kernels' shard_map
   return attention_ops.attention(q, k, v, segment_ids, scale=scale, causal=True,
                                  backend=backend, return_max_logit=True,
@@ -94,11 +79,7 @@ class MLA(nnx.Module):
     return constrain(self.wq_b(c_q), BTHD), self.wkv_a(x)
 
   def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q [B, T, H, nope+rope], k [B, T, H, nope+rope] (shared rope slot), v [B, T, H, v].
-
-    Under context parallelism (`seq` split over devices) q keeps the device's positions
-    while k and v cover every position of its rows (`KV`): the compressed c_kv and k_r
-    (kv_lora + rope values a token) are what crosses devices, then expanded on each."""
+    """q, k [B, T, H, nope + rope], v [B, T, H, v]; only c_kv and k_r cross devices."""
     q, kv_a = self._queries(x)
     c_kv = constrain(self.kv_norm(kv_a[..., :self.kv_lora]), ("batch", "kv_seq", "kv_lora"))
     k_r = constrain(kv_a[..., self.kv_lora:], ("batch", "kv_seq", "head_dim"))  # [B, T, rope]
@@ -111,8 +92,7 @@ class MLA(nnx.Module):
     return q, k, v
 
   def project_absorbed(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The absorbed form's q' [B, T, H, kv_lora + rope], k' [B, T, 1, kv_lora + rope] and
-    values c_kv [B, T, 1, kv_lora] (module docstring)."""
+    """q' [B, T, H, C + R], k' [B, T, 1, C + R] and values c_kv [B, T, 1, C]."""
     q, kv_a = self._queries(x)
     w_uk = self.wkv_b.kernel[...][..., :self.nope].astype(self.dtype)  # [kv_lora, H, nope]
     q_lat = jnp.einsum("bthn,chn->bthc", q[..., :self.nope], w_uk)
@@ -145,8 +125,7 @@ class MLA(nnx.Module):
 
   def prefill(self, x: jax.Array, segment_ids: jax.Array, max_len: int
               ) -> tuple[jax.Array, dict]:
-    """`__call__` on whole prompts that also returns the decoding cache (`init_cache`) of
-    `max_len` positions holding the prompts' latents."""
+    """`__call__` that also returns the decoding cache of `max_len` positions."""
     y, _ = self(x, segment_ids)
     k = self._latent(self.wkv_a(x.astype(self.dtype)))                  # [B, T, C + R]
     latent = jnp.zeros((x.shape[0], max_len, k.shape[-1]), self.dtype)
@@ -154,16 +133,12 @@ class MLA(nnx.Module):
         {"latent": latent.at[:, :x.shape[1]].set(k.astype(self.dtype))}, CACHE_AXES)
 
   def init_cache(self, batch: int, max_len: int, dtype) -> dict:
-    """The decoding cache of `max_len` positions a row: {"latent": [B, max_len, kv_lora +
-    rope]}, each token's c_kv and shared key slot (the absorbed form's one key)."""
+    """{"latent": [B, max_len, kv_lora + rope]}: c_kv and the shared key per position."""
     return axes.constrain_each(
         {"latent": jnp.zeros((batch, max_len, self.kv_lora + self.rope), dtype)}, CACHE_AXES)
 
   def step(self, x: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
-    """One token a row at positions pos [B] int32: x [B, 1, d] -> (y [B, 1, d], the token's
-    entry {"latent": [B, kv_lora + rope]} for `write`). The absorbed form (module docstring)
-    over the cache's positions < pos and the token itself: kv_lora + rope values read a
-    cached token. The cache is only read, in its own dtype with fp32 sums."""
+    """One token a row at pos [B]: x [B, 1, d] -> (y [B, 1, d], cache entry)."""
     latent = cache["latent"]                                             # [B, L, C + R]
     q, k, _ = self.project_absorbed(x)                     # [B, 1, H, C + R], [B, 1, 1, C + R]
     q, k = q[:, 0].astype(latent.dtype), k[:, 0, 0].astype(latent.dtype)
@@ -181,22 +156,16 @@ class MLA(nnx.Module):
     return self.w_o((o * gate).astype(self.dtype)), {"latent": k}
 
   def write(self, cache: dict, entry: dict, pos: jax.Array, index: tuple = ()) -> dict:
-    """The cache with `step`'s entry at each row's pos [B]: one row written (in place when
-    the cache is donated or carried). index: positions in leading (stacked layer) axes."""
+    """The cache with `entry` at each row's pos [B]; index: leading (layer) positions."""
     latent = cache["latent"]
     rows = jnp.arange(pos.shape[0])
     latent = latent.at[(*index, rows, pos)].set(entry["latent"].astype(latent.dtype))
     return axes.constrain_each({"latent": latent}, CACHE_AXES, stacked=len(index))
 
   def clip_qk(self, logit_max: jax.Array, tau: float) -> jax.Array:
-    """QK-Clip (K3_SPEC 5), in place: every head whose max logit S exceeded tau gets
-    gamma = tau / S; its NoPE query and key weights are scaled by sqrt(gamma) and its
-    rope-slot query by gamma, so all of its logits shrink by gamma. The shared key slot
-    (in `wkv_a`) is untouched: it is shared by every head.
-
-    logit_max: [*L, H], L the stacked layer axes of this module's parameters (none for a
-    single layer). Returns the number of clipped heads.
-    """
+    """QK-Clip (K3_SPEC 5), in place: heads with max logit S > tau scale NoPE q and k by
+    sqrt(tau / S) and the rope-slot query by tau / S (the shared key is untouched).
+    logit_max: [*L, H]. Returns the number of clipped heads."""
     gamma = jnp.where(logit_max > tau, tau / logit_max, 1.0)[..., None, :, None]  # [*L,1,H,1]
     root = jnp.sqrt(gamma)
     wq = self.wq_b.kernel[...]  # [*L, q_lora, H, nope + rope]

@@ -1,19 +1,9 @@
 """Routed-expert dispatch of Stable LatentMoE (K3_SPEC 4): latent z + routing -> u.
 
-  "dropless" (`dropless_moe`): the (token, slot) pairs are sorted by expert and the experts
-      run as grouped matmuls (`pallas_kernels.grouped_matmul`: `jax.lax.ragged_dot`, or
-      Mosaic GPU kernels on GPU, `moe.gmm_backend`); nothing is dropped.
-  "capacity" (`capacity_moe`): each expert gets a fixed buffer of `capacity` pairs per
-      sequence, buffers [E, rows, C, L], and runs as one batched matmul; pairs beyond a
-      buffer are dropped, later positions first.
-
-Both take the expert computation as a function (`ExpertsFn`, `BufferExpertsFn`): the
-piece that `expert_parallel` wraps in an all-to-all. Shapes: N tokens (rows * T, row-major),
-k slots per token, E experts, L latent width, H expert hidden width, C capacity.
-
-"auto" is one of the other dispatches, picked per platform and mesh by the rule that
-`resolve_dispatch` states.
-"""
+"dropless" (`dropless_moe`): pairs sorted by expert, grouped matmuls, nothing dropped;
+"capacity" (`capacity_moe`): buffers [E, rows, C, L], overflow dropped, later positions first.
+Experts are functions (`ExpertsFn`, `BufferExpertsFn`) that `expert_parallel` wraps in an
+all-to-all. N tokens, k slots, E experts, L latent, H hidden, C capacity."""
 
 from __future__ import annotations
 
@@ -33,26 +23,11 @@ BufferExpertsFn = Callable[[jax.Array], jax.Array]
 
 def resolve_dispatch(dispatch: str, platform: str, grouped_kernel: bool = False,
                      experts_split: bool = False) -> str:
-  """`dispatch` (one of DISPATCHES) with "auto" made concrete for `platform`, what the
-  program is compiled for ("tpu", "gpu", "cpu": `pallas_kernels.platform.target_platform`);
-  the other names are returned as they are. The rule of "auto":
-
-  - TPU: "expert_parallel_dropless", the dropless dispatch per device. XLA compiles
-    `ragged_dot` to grouped-matmul kernels there (`ragged-dot-*` TPU custom calls;
-    tests/test_aot.py compiles the layer for v5p), and under jit alone it would run the
-    sorted rows of plain "dropless" unpartitioned: every data-parallel device would compute
-    every token's experts.
-  - GPU, where the experts' grouped matmuls run as the Mosaic GPU kernel (grouped_kernel:
-    `grouped_kernel_fits`) and every device holds all experts (not experts_split): the
-    same (k3_small's train step is faster than with capacity,
-    benchmarks/results/train_step.md).
-  - Elsewhere "capacity": on CPU, where `ragged_dot` runs every expert densely; on GPU
-    where the kernel's tiles do not fit (XLA's `ragged_dot` there runs far below the matmul
-    rate: benchmarks/results/moe.md) or the experts are split over devices: XLA's GPU
-    ragged all-to-all is unmeasured here and has open problems in JAX 0.11
-    (openxla/xla#33386: a small fraction of NVLink bandwidth on one host; #47283: crashes
-    above 32 ranks).
-  """
+  """`dispatch` with "auto" made concrete for `platform` ("tpu", "gpu", "cpu").
+  "auto": "expert_parallel_dropless" on TPU (plain "dropless" under jit would run the
+  sorted rows unpartitioned), and on GPU when the Mosaic grouped kernel fits and experts
+  are not split; "capacity" elsewhere (CPU runs `ragged_dot` densely; GPU ragged
+  all-to-all: openxla/xla#33386, #47283). See benchmarks/results/moe.md."""
   if dispatch not in DISPATCHES:
     raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {dispatch!r}")
   if dispatch != "auto":
@@ -64,9 +39,7 @@ def resolve_dispatch(dispatch: str, platform: str, grouped_kernel: bool = False,
 
 def grouped_kernel_fits(rows: int, latent: int, hidden: int, num_experts: int, dtype,
                         backend: str = "auto") -> bool:
-  """Whether the dropless experts' grouped matmuls on a GPU, rows [rows, latent] sorted by
-  expert times [E, latent, hidden] and back, run as the kernel under `backend`
-  (`moe.gmm_backend`): on 16-bit operands whose sizes divide its tiles."""
+  """Whether the GPU grouped matmuls run as the kernel under `backend`."""
   sd = jax.ShapeDtypeStruct
   return all(resolve_backend(backend, "gpu", sd((rows, a), dtype),
                              sd((num_experts, a, b), dtype)) != "reference"
@@ -76,18 +49,9 @@ def grouped_kernel_fits(rows: int, latent: int, hidden: int, num_experts: int, d
 def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: ExpertsFn,
                  num_experts: int, token_chunk: int = 0) -> jax.Array:
   """u = sum_k weights[:, k] * experts(z)[token, idx[:, k]] without dropping tokens.
-
-  z: [N, L]; idx: [N, k] int32; weights: [N, k] fp32. `experts(rows, group_sizes)` maps
-  rows [N*k, L] sorted by expert (group_sizes [E] rows per expert, in expert order) to
-  [N*k, L]. Returns u [N, L] fp32. The sorted rows are the capacity dispatch's buffer with
-  one slot per pair, so both directions are the same gather-only custom VJPs.
-
-  token_chunk (`moe.token_chunk`, 0: all N at once): dispatch that many tokens at a time
-  in a loop whose steps are rematerialized, so the experts' activations ([token_chunk * k,
-  H] fp32 and the sorted rows) exist for one chunk at a time, whatever N. Each token's u
-  is the same either way (the dispatch is per token); only the order of the experts'
-  weight-gradient sums changes.
-  """
+  z: [N, L]; idx, weights: [N, k]; `experts(rows [N*k, L] sorted by expert, group_sizes
+  [E])` -> [N*k, L]. Returns u [N, L] fp32. token_chunk > 0: that many tokens per
+  rematerialized loop step, bounding the experts' activations; u is unchanged."""
   n, k = idx.shape
   if token_chunk and token_chunk < n:
     if n % token_chunk:
@@ -102,12 +66,11 @@ def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: Expe
 
 
 def _dropless(z, idx, weights, experts, num_experts):
-  """`dropless_moe` on all of its tokens at once."""
   n, k = idx.shape
   flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [N*k] the pair at each row
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-  row = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))  # of a pair
+  row = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
   out_sorted = experts(_dispatch(z, order, row.reshape(n, k)), group_sizes)  # [N*k, L]
   return _combine(out_sorted, weights, row.reshape(n, k), order)
 
@@ -126,18 +89,12 @@ def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
   return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
-# Both directions of the capacity dispatch are row gathers: the transpose of "buffer slot s
-# takes token src[s]" is "token t sums the slots of its k pairs", again a gather (of k rows),
-# never a scatter-add. XLA's autodiff of a gather is a scatter-add, several times slower
-# on GPU, hence the custom VJPs.
+# Custom VJPs keep both directions as row gathers; autodiff would give scatter-adds.
 
 @jax.custom_vjp
 def _dispatch(z: jax.Array, src: jax.Array, slot: jax.Array) -> jax.Array:
-  """buf [S, L] with buf[s] = z[src[s] // k] (zero where src[s] = N * k: an empty slot).
-
-  z: [N, L]; src: [S] int32 pair of each slot; slot: [N, k] int32 slot of each pair (S if
-  dropped), the inverse map, used by the backward.
-  """
+  """buf [S, L] = z[src // k] (zero for empty slots, src = N * k); slot [N, k] is the
+  inverse map (S if dropped), for the backward."""
   return _gather_rows(z, src // slot.shape[1])
 
 
@@ -158,11 +115,8 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 @jax.custom_vjp
 def _combine(out: jax.Array, weights: jax.Array, slot: jax.Array, src: jax.Array) -> jax.Array:
-  """u [N, L] fp32 = sum_j weights[:, j] * out[slot[:, j]] (a dropped pair adds nothing).
-
-  out: [S, L] expert outputs per slot; weights: [N, k] fp32; slot: [N, k] int32; src: [S]
-  int32 (N * k where empty), the inverse map, used by the backward.
-  """
+  """u [N, L] fp32 = sum_j weights[:, j] * out[slot[:, j]]; out: [S, L]; src: [S] the
+  inverse map, for the backward."""
   n, k = slot.shape
   pairs = _gather_rows(out, slot.reshape(-1)).reshape(n, k, -1)
   return jnp.einsum("nk,nkl->nl", weights.astype(jnp.float32), pairs.astype(jnp.float32))
@@ -189,14 +143,9 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 def capacity_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: BufferExpertsFn,
                  num_experts: int, num_rows: int, capacity: int):
   """Fixed-buffer dispatch: u = sum_k weights * E_idx(z) over the pairs that fit.
-
-  z: [N, L] with N = num_rows * T tokens, row-major; idx, weights: [N, k]. Each expert
-  takes at most `capacity` pairs from each row, earlier positions first, so whether a
-  token is dropped depends only on earlier tokens of its own sequence: dispatch stays
-  causal and rows never affect each other. `experts` maps the buffers [E, rows, C, L]
-  (z's dtype; empty slots are zero) to outputs of the same shape.
-  Returns (u [N, L] fp32, kept [N, k] bool).
-  """
+  z: [N, L], N = num_rows * T; idx, weights: [N, k]. At most `capacity` pairs per expert
+  per row, earlier positions first, so dropping stays causal. `experts`: [E, rows, C, L]
+  -> same. Returns (u [N, L] fp32, kept [N, k] bool)."""
   n, k = idx.shape
   slots = num_rows * num_experts * capacity
   row = jnp.arange(n * k) // (n // num_rows * k)  # [N*k] sequence of each pair
@@ -215,11 +164,7 @@ def capacity_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: Buff
 
 def ragged_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act, dtype,
                        backend: str = "auto", platform: str | None = None) -> ExpertsFn:
-  """Grouped GLU experts: rows [M, L] sorted by expert -> [M, L] in `dtype`.
-
-  w_g, w_u: [E, L, H]; w_d: [E, H, L]; act: the fp32 GLU activation (g, v) -> h. backend,
-  platform: of the grouped matmuls (`pallas_kernels.grouped_matmul`, `moe.gmm_backend`).
-  """
+  """Grouped GLU experts: rows [M, L] sorted by expert -> [M, L] in `dtype`."""
   def gmm(x, w, sizes):
     return grouped_matmul(x, w.astype(dtype), sizes, backend=backend, platform=platform)
 
@@ -235,16 +180,11 @@ def ragged_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act, dtyp
 def batched_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act,
                         dtype) -> BufferExpertsFn:
   """GLU experts on buffers: [E, R, C, L] -> [E, R, C, L] in `dtype`, one batched matmul each.
-
-  w_g, w_u: [E, L, H]; w_d: [E, H, L]; act: the fp32 GLU activation (g, v) -> h. With H
-  split across devices (w_g, w_u, w_d holding a slice of it) the result is this slice's
-  partial sum of the output.
-  """
+  w_g, w_u: [E, L, H]; w_d: [E, H, L]; act: fp32 (g, v) -> h. With H split across
+  devices the result is this slice's partial sum."""
   @jax.named_scope("experts")
   def run(buf: jax.Array) -> jax.Array:
     buf = buf.astype(dtype)
-    # (gate and up as one matmul on concatenated weights was slower on the H200:
-    # benchmarks/results/moe.md)
     g = jnp.einsum("erck,ekh->erch", buf, w_g.astype(dtype))
     v = jnp.einsum("erck,ekh->erch", buf, w_u.astype(dtype))
     return jnp.einsum("erch,ehk->erck", act(g, v).astype(dtype), w_d.astype(dtype))

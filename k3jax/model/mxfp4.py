@@ -1,22 +1,12 @@
 """MXFP4 as the released Kimi K3 stores its routed experts (compressed-tensors'
-`mxfp4-pack-quantized`): a weight [..., N] becomes
+`mxfp4-pack-quantized`): a weight [..., N] becomes packed uint8 [..., N / 2] (two E2M1
+codes a byte, even column low; code = sign bit 8 | index) and scales uint8 [..., N / 32]
+(E8M0; 255 refused): value = E2M1_VALUES[code & 7] * (-1 if code & 8) * 2^(scale - 127).
 
-  packed  uint8 [..., N / 2]   two OCP FP4 E2M1 codes a byte, the even column in the low
-                               nibble; code = sign bit (8) | index into E2M1_VALUES
-  scales  uint8 [..., N / 32]  one E8M0 exponent per 32 consecutive columns: the group's
-                               multiplier is 2^(scale - 127); 255 is NaN (refused)
-
-and value = E2M1_VALUES[code & 7] * (-1 if code & 8) * 2^(scale - 127).
-
-`quantize` follows compressed-tensors' rule, on the weight rounded to bf16 (the release's
-dtype): the group's largest magnitude, as bf16, is rounded to a power of two p (up when its
-mantissa is 1.75 or more, else down), the scale is p / 4, and each value / scale goes to
-the nearest E2M1 value, ties to the even code, beyond 6 to 6 (saturation). A weight that
-is already on the grid (dequantized MXFP4) comes back with the same values.
-
-The codec is host-side NumPy (checkpoint import and export; exact, no flush of
-subnormals); `fake_quantize` is the same rule in JAX for quantization-aware training.
-"""
+`quantize` follows compressed-tensors' rule on the bf16 weight: scale = p / 4 for the
+group amax rounded to a power of two p, values to the nearest E2M1 (ties even, saturating
+at 6); on-grid weights round-trip. NumPy codec for import/export; `fake_quantize` is the
+same rule in JAX for QAT."""
 
 from __future__ import annotations
 
@@ -36,8 +26,7 @@ def _code_values() -> np.ndarray:
   return np.where(np.arange(16) & 8, -magnitude, magnitude).astype(np.float32)
 
 
-# every byte's two float32 values (low nibble first) as one 8-byte word: dequantizing is
-# one lookup per byte
+# each byte's two float32 values as one 8-byte word: one lookup per byte
 _BYTE_VALUES = np.stack([_code_values()[np.arange(256) & 0xF],
                          _code_values()[np.arange(256) >> 4]], axis=-1).view(np.uint64)[:, 0]
 
@@ -64,8 +53,7 @@ def _groups(shape, n: int) -> int:
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
-  """packed uint8 [..., N / 2], scales uint8 [..., N / 32] -> [..., N] in `dtype`
-  (float32 holds every value exactly; bf16 too, down to scale 2^-133)."""
+  """packed [..., N / 2], scales [..., N / 32] uint8 -> [..., N] in `dtype` (exact)."""
   packed = np.asarray(packed, np.uint8)
   shape = (*packed.shape[:-1], 2 * packed.shape[-1])
   n = shape[-1]
@@ -76,15 +64,13 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.n
   if (scales == NAN_SCALE).any():
     raise ValueError("MXFP4 scale 255 (E8M0 NaN) in the scales")
   values = np.take(_BYTE_VALUES, packed).view(np.float32).reshape(*shape[:-1], -1, GROUP)
-  factors = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)   # exact powers of two
+  factors = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
   np.multiply(values, factors[..., None], out=values)   # in place: no second large array
   return values.reshape(shape).astype(dtype, copy=False)
 
 
 def group_scales(amax_bf16: np.ndarray) -> np.ndarray:
-  """Each group's largest magnitude (float32 values that are bf16) -> its E8M0 scale byte
-  by compressed-tensors' rule: 127 + log2(p) - 2 for the power of two p nearest amax
-  (rounding up from a mantissa of 1.75), clipped to [0, 254]; amax 0 -> 0."""
+  """Group amax (bf16 values) -> E8M0 scale byte 127 + log2(p) - 2, clipped to [0, 254]."""
   bits = np.asarray(amax_bf16, np.float32).view(np.uint32) >> 16      # bf16 bit pattern
   exponent_field = ((bits + 0x20) & 0x7F80) >> 7                       # + 0.25 ulp of 1.0
   scale = exponent_field.astype(np.int64) - 2
@@ -99,8 +85,7 @@ def to_bf16_values(x: np.ndarray) -> np.ndarray:
 
 
 def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """w [..., N] (finite; N a multiple of 32) -> (packed uint8 [..., N / 2], scales uint8
-  [..., N / 32]) by the release's rule (module docstring)."""
+  """w [..., N], N % 32 == 0 -> (packed uint8 [..., N / 2], scales uint8 [..., N / 32])."""
   w = np.asarray(w, np.float32)
   if not np.isfinite(w).all():
     raise ValueError("MXFP4 cannot encode inf or NaN weights")
@@ -117,10 +102,8 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fake_quantize(w: jax.Array, axis: int = -2) -> jax.Array:
-  """w's values on the MXFP4 grid, by `quantize`'s rule then dequantized (groups of 32
-  along `axis`, the input dimension of k3jax's [..., in, out] matrices), in w's dtype. The
-  gradient passes straight through (d/dw = identity). Equals `dequantize(*quantize(.))` of
-  the matrix with `axis` last, bit for bit, for group scales within [1, 253]."""
+  """w on the MXFP4 grid (groups of 32 along `axis`), straight-through gradient; bit-equal
+  to `dequantize(*quantize(.))` for group scales in [1, 253]."""
   x = jnp.moveaxis(w, axis, -1).astype(jnp.float32)
   n = x.shape[-1]
   g = _groups(x.shape, n)
@@ -137,4 +120,4 @@ def fake_quantize(w: jax.Array, axis: int = -2) -> jax.Array:
   index = jnp.where(tie & (index % 2 == 1), index + 1, index)         # ties to even codes
   q = jnp.sign(x) * jnp.asarray(E2M1_VALUES)[index] * power(scale - 127)
   q = jnp.moveaxis(q.reshape(*x.shape[:-2], n), -1, axis).astype(w.dtype)
-  return (w - jax.lax.stop_gradient(w)) + jax.lax.stop_gradient(q)   # exactly q; d/dw = 1
+  return (w - jax.lax.stop_gradient(w)) + jax.lax.stop_gradient(q)

@@ -2,10 +2,7 @@
 
   h = [b1 tanh(g/b1) * sigmoid(g)] * [b2 tanh(v/b2)],   g = x W_g,  v = x W_u,  y = h W_d
 
-The gate is a SiLU whose linear factor is soft-capped at b1 (the sigmoid sees the uncapped
-g); the value is soft-capped at b2, so |h| < b1 * b2 = 100 for the defaults. Near 0 both
-tanh factors are the identity to first order, so SiTU-GLU equals SwiGLU there.
-"""
+Soft caps bound |h| < b1 * b2; near 0 it equals SwiGLU to first order."""
 
 from __future__ import annotations
 
@@ -41,12 +38,7 @@ def glu_activation(name: str, b1: float = 4.0, b2: float = 25.0):
 
 
 class GLUMLP(nnx.Module):
-  """y = act(x W_g, x W_u) W_d without biases. x: [..., d_in] -> y: [..., d_in].
-
-  W_g, W_u: [d_in, hidden] named (axes_in, 'mlp'); W_d: [hidden, d_in] named
-  ('mlp', axes_in). `axes_in` is 'embed' on the hidden stream, 'latent' inside LatentMoE.
-  The activation runs in fp32; the matmuls in `dtype`.
-  """
+  """y = act(x W_g, x W_u) W_d, no biases; activation fp32, matmuls in `dtype`."""
 
   def __init__(self, d_in: int, hidden: int, *, activation: str = "situ_glu",
                b1: float = 4.0, b2: float = 25.0, axes_in: str = "embed",

@@ -7,28 +7,8 @@
   z     = mean over the temporal_pool windows of one video token (images: itself)
   y     = RMSNorm(W_2 gelu(W_1 z))     the projector, as released            [K, d_model]
 
-  Block(x) = x + Attn(RMSNorm(x)); x + W_2 gelu_tanh(W_1 RMSNorm(x))
-  Attn     = softmax(rope(q) rope(k)^T / sqrt(head_dim), same item) v W_o, heads x head_dim
-             (12 x 128 in K3: inner 1536, wider than the 1024 width), no biases anywhere;
-             rope: 2-D rotary positions by (row, col) in the frame (`vision_pos.rope_2d`).
-
-The released K3 fixes what K3_SPEC leaves open: the 2-D RoPE, the projector's form (hidden
-as wide as its input, exact GELU, RMSNorm after; `vision.projector_*` give the other forms)
-and the tower norms' eps (`vision.norm_eps`: torch's RMSNorm default in bf16).
-
-Inputs are PackedMedia (`k3jax.media`: several images and videos of any size packed into
-one fixed-shape buffer of N patches, NaViT-style; segment ids confine attention to an
-item). K = N // merge**2 output rows: the tokens of the items in order, then zeros.
-`insert_features` writes them over the placeholder tokens of a text embedding.
-
-The tower is trained from scratch here (no contrastive init).
-
-Parameter count of K3's tower (27 layers, width 1024, 12 x 128, MLP 4096, patch 14, a 64 x 64
-position grid): 27 x 14,682,112 (q, k, v, o, MLP, two norms) + 602,112 (patch embedding) +
-4,194,304 (position table) + 1,024 (final norm) = 401,214,464 -- the ~401M quoted for
-MoonViT-V2, which is therefore the tower without the projector. The released projector adds
-4,096 x 4,096 + 4,096 x 7,168 + 7,168 (norm) = 46,144,512; `param_counts` gives both.
-"""
+Blocks use 2-D RoPE (`vision_pos.rope_2d`) and a GELU-tanh MLP, no biases, as released;
+`insert_features` writes the K rows over the text's placeholder tokens."""
 
 from __future__ import annotations
 
@@ -44,22 +24,14 @@ from k3jax.model.layers import Dense, RMSNorm
 from k3jax.model.vision_pos import grid_embedding, rope_2d, sincos_embedding
 from pallas_kernels import attention as attention_ops
 
-# The packed patch axis shards like a batch axis: patches are independent rows everywhere
-# except inside attention.
+# The packed patch axis shards like a batch axis.
 NE = ("batch", "embed")
 NHD = ("batch", "heads", "head_dim")
 
 
 def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                       scale: float, backend: str = "auto") -> jax.Array:
-  """Bidirectional attention confined to segments, through `pallas_kernels.attention`
-  (`backend`: model.vision.attention). q, k: [N, H, Dk]; v: [N, H, Dv]; segment_ids [N] int
-  (0 = padding: a padding patch sees only itself). -> [N, H, Dv] in v's dtype.
-
-  Under the mesh of `axes.use_rules` the kernels run per device: the patch axis is
-  sharded like a batch axis (NHD), so each device takes its share of the query patches
-  and every key and value of the buffer.
-  """
+  """Attention within segments: q, k [N, H, Dk], v [N, H, Dv] -> [N, H, Dv]."""
   spec = axes.logical_to_spec(NHD)
   out = attention_ops.attention(q[None], k[None], v[None], segment_ids[None], scale=scale,
                                 causal=False, backend=backend, mesh=axes.current_mesh(),
@@ -99,9 +71,7 @@ class VisionBlock(nnx.Module):
 
 
 class Projector(nnx.Module):
-  """Merged features [K, dim] -> [K, out]. hidden > 0: Dense -> GELU -> Dense through
-  `hidden` (act "gelu": exact erf, "gelu_tanh": tanh form); hidden = 0: one Dense. RMSNorm on
-  the output (norm "post", the released K3's) or on the input ("pre")."""
+  """Merged features [K, dim] -> [K, out]: Dense-GELU-Dense or one Dense, RMSNorm."""
 
   def __init__(self, dim: int, hidden: int, out: int, *, norm: str, act: str, eps: float,
                dtype, param_dtype, rngs: nnx.Rngs):
@@ -128,8 +98,7 @@ class Projector(nnx.Module):
 
 
 class VisionTower(nnx.Module):
-  """MoonViT-V2 + projector: PackedMedia -> features [N // merge**2, d_model] (module
-  docstring). Built from the model config (`cfg_model.vision`, `d_model`, dtypes)."""
+  """MoonViT-V2 + projector: PackedMedia -> features [N // merge**2, d_model]."""
 
   def __init__(self, cfg_model, *, rngs: nnx.Rngs):
     v = cfg_model.vision
@@ -157,8 +126,7 @@ class VisionTower(nnx.Module):
                                eps=cfg_model.norm_eps, dtype=dtype, param_dtype=pdt, rngs=rngs)
 
   def positions(self, media: PackedMedia) -> jax.Array:
-    """The position embedding of every patch [N, width] fp32 (padding patches read item 1's
-    grid; nothing reads their outputs)."""
+    """The position embedding of every patch [N, width] fp32."""
     grid = jnp.asarray(media.grid_thw)[jnp.maximum(media.segment_ids - 1, 0)]   # [N, 3]
     frame, row, col = (media.coords[:, i] for i in range(3))
     pos = grid_embedding(self.pos_table[...], row, col, grid[:, 1], grid[:, 2])
@@ -178,9 +146,7 @@ class VisionTower(nnx.Module):
     return self.final_norm(x)
 
   def merge_pool(self, x: jax.Array, pool_ids: jax.Array) -> jax.Array:
-    """[N, width] in merge order -> [K, merge**2 * width]: each window's patches concatenated
-    (row-major), then the windows of one output token (pool_ids [K]) averaged; K = N //
-    merge**2, rows no window maps to are zero."""
+    """[N, width] -> [K, merge**2 * width]: windows concatenated, pooled per token."""
     k = x.shape[0] // (self.merge * self.merge)
     z = x.reshape(k, -1).astype(jnp.float32)
     total = jax.ops.segment_sum(z, pool_ids, num_segments=k)
@@ -195,9 +161,7 @@ class VisionTower(nnx.Module):
 
 def insert_features(embeds: jax.Array, tokens: jax.Array, features: jax.Array,
                     placeholder_id: int) -> jax.Array:
-  """The text embedding [B, T, D] with feature row k written over the k-th placeholder
-  token (`tokens == placeholder_id`, counted row-major over [B, T]); other positions, and
-  placeholders past the K rows of `features` [K, D], keep their embedding."""
+  """embeds [B, T, D] with features[k] over the k-th placeholder (row-major)."""
   is_ph = tokens == placeholder_id                                      # [B, T]
   k = jnp.cumsum(is_ph.reshape(-1)).reshape(is_ph.shape) - 1
   rows = features[jnp.clip(k, 0, features.shape[0] - 1)].astype(embeds.dtype)  # [B, T, D]

@@ -1,7 +1,4 @@
-"""The `optimizer` section of the experiment config: its fields with K3's values
-(`optimizer_config()`) and `validate_optimizer`, which names the first impossible setting
-of the section. A warmup longer than the run is `k3jax.config.fit_warmup`'s (it reads
-train.steps)."""
+"""The `optimizer` section: `optimizer_config()` with K3's values, `validate_optimizer`."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ def optimizer_config() -> ml_collections.ConfigDict:
   o = ml_collections.ConfigDict()
   o.name = "muon"        # "muon": Muon for matrices + AdamW for the rest; "adamw": AdamW only
   o.learning_rate = 3e-4  # one schedule for both (Muon's update RMS is matched to AdamW's)
-  # Linear warmup to learning_rate. One longer than train.steps (a short run of a config
-  # made for a longer one) is cut by validate() to train.steps // 10, with a notice.
+  # Linear warmup to learning_rate; longer than the run: cut to train.steps // 10
   o.warmup_steps = 2_000
   o.min_lr_ratio = 0.1   # cosine decays to learning_rate * min_lr_ratio
   o.b1 = 0.9             # AdamW
@@ -37,8 +33,7 @@ def optimizer_config() -> ml_collections.ConfigDict:
   u.ns_eps = 1e-7        # Newton-Schulz input: X / (||X||_F + ns_eps)
   u.ns_dtype = "bfloat16"  # Newton-Schulz operands (accumulation is fp32)
   u.ns_backend = "auto"  # pallas_kernels.newton_schulz backend
-  # GPU kernels' [m, m] iteration for bf16: "fp16" operands (faster) or "bf16x3" (much closer
-  # to the float32 polynomial on ill-conditioned blocks, slower: results/newton_schulz.md)
+  # GPU bf16 iteration: "fp16" (faster) or "bf16x3" (closer to fp32; newton_schulz.md)
   u.ns_gpu_iterate = "fp16"
   u.rms_scale = 0.2      # update = rms_scale * sqrt(max(fan_in, fan_out)) * NS(momentum)
   u.per_head = True      # per-head blocks for KDA q/k/v and MLA W_qb/W_kvb; False: whole matrix

@@ -1,29 +1,9 @@
-"""The optimizer an experiment names: gradient clipping + a registered update rule.
+"""The optimizer an experiment names: gradient clipping + a rule registered in `OPTIMIZERS`.
 
   tx, schedule = make_optimizer(cfg, nnx.state(model, nnx.Param))
 
-The transformation acts on the `nnx.Param` state only (the model's other state, e.g. the
-MoE balancing bias, is updated outside the gradient). It works both with
-`nnx.Optimizer(model, tx, wrt=nnx.Param)` and with a functional step over
-`nnx.as_pure(nnx.state(model, nnx.Param))`.
-
-Weight decay (decoupled, AdamW-style: p <- p - lr * (adam_update + wd * p)) applies to
-matrices only. A parameter is decayed when it has at least two dims that are not stacked
-layer axes (logical name "layers"): projections, expert weights [experts, in, out], the
-input embedding and the LM head. Norm gains, biases, AttnRes pseudo-queries, A_log,
-dt_bias and every other 1-D (per layer) parameter are not. A Param created with the
-metadata `weight_decay=False` (or True) overrides the rule, e.g. for a query table stored
-as one [sublayers, d] matrix.
-
-Given the parameter state, the mask reads the logical axis names (`weight_decay_mask`);
-given only raw arrays, it goes by `ndim`, which is right only when no parameter is
-stacked over layers.
-
-Update rules register a builder in `OPTIMIZERS`:
-`builder(cfg, schedule, params, decay_mask, *, mesh, param_specs) -> GradientTransformation`,
-where `params` is the parameter state with the model's metadata (or None when the caller
-has only raw arrays; rules that read metadata, like Muon, then refuse).
-"""
+Weight decay applies to parameters with two or more non-"layers" axes (metadata
+`weight_decay=` overrides)."""
 
 from __future__ import annotations
 
@@ -57,12 +37,7 @@ def _decay_variable(var: nnx.Variable) -> bool:
 
 
 def weight_decay_mask(params: Any) -> Any:
-  """True where weight decay applies, for a parameter state (see the module docstring).
-
-  `params` is `nnx.state(model, nnx.Param)` (Variables with their axis-name metadata;
-  concrete or from `nnx.eval_shape`) or a pytree of arrays (decided by ndim). The result
-  has the structure of the pure state `nnx.as_pure(params)`, with bool leaves.
-  """
+  """Bools like `nnx.as_pure(params)`: True where weight decay applies."""
   def leaf(x):
     if is_variable(x):
       return _decay_variable(x)
@@ -111,19 +86,9 @@ def make_optimizer(cfg: ml_collections.ConfigDict, params: Any = None, *,
                    param_specs: Any = None
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """(transformation, schedule) for `cfg.optimizer` and `cfg.train`.
-
-  The transformation clips the global gradient norm to `cfg.train.grad_clip_norm`
-  (0 disables clipping), then applies the update rule `cfg.optimizer.name` with the
-  learning rate `schedule(count)`, whose numbers live in the state (`schedule.scheduled`:
-  `optim.with_schedule` sets them for another config without recompiling).
-
-  params: `nnx.state(model, nnx.Param)` (abstract is enough): the rules read block layouts
-    and the weight-decay mask from its metadata. The transformation then acts on
-    `nnx.as_pure(params)`-shaped trees.
-  decay_mask: overrides the mask; without params or mask, leaves with ndim >= 2 decay.
-  mesh, param_specs: where sharded parameters live (a PartitionSpec per leaf of the pure
-    state), for rules that must place work per device (Muon's Newton-Schulz kernel).
-  """
+  Clips to `cfg.train.grad_clip_norm` (0: off), then applies `cfg.optimizer.name`; the
+  schedule's numbers live in the state (`optim.with_schedule`). params: its metadata gives
+  layouts and the decay mask; mesh, param_specs: for per-device work (Muon)."""
   name = cfg.optimizer.name
   if name not in OPTIMIZERS:
     raise ValueError(f"config.optimizer.name: unknown optimizer {name!r} "
@@ -139,8 +104,8 @@ def make_optimizer(cfg: ml_collections.ConfigDict, params: Any = None, *,
                             param_specs=param_specs)
     return optax.chain(optax.clip_by_global_norm(clip), rule) if clip > 0 else rule
 
-  schedule = make_schedule(cfg)   # checks the numbers
-  build(schedule)                  # and the rule its arguments, now rather than at init
+  schedule = make_schedule(cfg)
+  build(schedule)
   return scheduled(build, ScheduleParams.of(cfg)), schedule
 
 

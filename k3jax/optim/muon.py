@@ -1,25 +1,10 @@
 """Per-head Muon (K3_SPEC 5): momentum, Newton-Schulz per block, RMS-matched scale.
 
-For every matrix parameter W (gradient G), with beta = 0.95:
+    M <- 0.95 M + G;  O = NS5(G + 0.95 M or M) per block;
+    update = -lr (0.2 sqrt(max(fan_in, fan_out)) O + wd W)
 
-    M <- beta M + G;   U = G + beta M (Nesterov) or M
-    O = NS5(U) per orthogonalized block;  update = -lr (0.2 sqrt(max(fan_in, fan_out)) O + wd W)
-
-The block layout comes from the parameter's own metadata (`k3jax.model.layers`): each
-axis has a role, "in" / "out" (the matrix' sides), "expert" (one block per expert),
-"head" (one block per head under per-head Muon, an output axis otherwise); stacked
-layer axes (logical name "layers") are always a batch of blocks. So KDA q/k/v and MLA
-W_qb/W_kvb are orthogonalized head by head, expert stacks expert by expert, everything
-else as a whole matrix, and no parameter name is ever matched.
-
-Blocks are processed as one batched array per parameter, [*batch, fan_in, fan_out], so
-when the batch axes (layers, experts, heads) are sharded each device orthogonalizes the
-blocks it holds.
-
-Parameters without Muon metadata (embeddings, the LM head, norms, 1-D gates, AttnRes
-queries, convolutions) and, unless `optimizer.muon.router == "muon"`, the MoE router get
-AdamW with the same learning-rate schedule.
-"""
+Blocks [*batch, fan_in, fan_out] come from each parameter's axis roles (`k3jax.model.layers`),
+never names; parameters without them (and the router unless `muon.router == "muon"`) get AdamW."""
 
 from __future__ import annotations
 
@@ -43,7 +28,7 @@ class BlockLayout:
   """How one parameter of `shape` maps to a batch of [fan_in, fan_out] Muon blocks."""
   shape: tuple[int, ...]
   perm: tuple[int, ...]       # axis order (batch..., in..., out...)
-  batch: tuple[int, ...]      # the batch-of-blocks shape
+  batch: tuple[int, ...]
   fan_in: int
   fan_out: int
 
@@ -62,9 +47,7 @@ class BlockLayout:
     return jnp.transpose(y.reshape(permuted), _inverse(self.perm))
 
   def block_spec(self, spec: PartitionSpec) -> PartitionSpec:
-    """The sharding of the blocks [*batch, fan_in, fan_out] of a parameter sharded as
-    `spec`: batch axes keep their mesh axes; a fan dim keeps the mesh axes of its leading
-    parameter axis when its other axes are whole (else it is gathered whole)."""
+    """The blocks' sharding for a parameter sharded as `spec` (batch axes keep theirs)."""
     spec = tuple(spec) + (None,) * (len(self.shape) - len(spec))
     nb = len(self.batch)
     ins, outs, size = [], list(self.perm[nb:]), 1
@@ -109,11 +92,7 @@ def block_layout(var: nnx.Variable, *, per_head: bool) -> BlockLayout | None:
 
 
 def muon_labels(params: Any, *, router: str = "adamw") -> Any:
-  """'muon' or 'adamw' per leaf of the pure state `nnx.as_pure(params)`.
-
-  params: `nnx.state(model, nnx.Param)` (concrete or abstract: only metadata is read).
-  router: "adamw" or "muon", where the MoE router goes (K3_SPEC 5 leaves it open).
-  """
+  """'muon' or 'adamw' per leaf of `nnx.as_pure(params)`."""
   def label(var):
     kind = var.get_metadata().get("muon")
     if kind == "matrix" or (kind == "router" and router == "muon"):
@@ -140,17 +119,8 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
                   mesh: Mesh | None = None, specs: Any = None
                   ) -> optax.GradientTransformation:
   """Muon's direction: momentum, per-block Newton-Schulz, 0.2 sqrt(max fan) per block.
-
-  layouts: a pytree with a BlockLayout for every leaf this transformation sees (a prefix
-  of the update tree is not allowed; MaskedNode leaves of `optax.partition` are skipped).
-  mesh, specs: where the parameters live (specs: a PartitionSpec per leaf, like layouts).
-    Newton-Schulz then runs under `shard_map` (a Pallas kernel, one opaque call, is not
-    partitioned by XLA): blocks split along their batch axes (heads, experts, layers) are
-    orthogonalized where they live; blocks split inside (FSDP over a fan dim, G ways) are
-    regrouped by an all-to-all so that each device orthogonalizes whole blocks, 1/G of its
-    group's, and sent back the same way.
-  The result is the update before learning rate and weight decay.
-  """
+  layouts: a BlockLayout per leaf. mesh, specs: Newton-Schulz then runs under `shard_map`,
+  blocks split inside regrouped by an all-to-all. Returns the update before lr and wd."""
   def init(params):
     return MuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
@@ -165,9 +135,7 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
     ways = [math.prod(mesh.shape[a] for a in axes) for axes in fan_axes]
 
     def local(x):  # this device's blocks, each a [fan_in / ways_in, fan_out / ways_out] piece
-      # Whole blocks for 1/G of them per device (G = ways_in x ways_out): an all-to-all over
-      # the axes that split the fan dims, instead of every device gathering and
-      # orthogonalizing all of them (an FSDP-sharded expert stack: G x the work and memory)
+      # All-to-all so each device orthogonalizes 1/G of the blocks whole, not all of them.
       lead = x.shape[:-2]
       n = math.prod(lead)
       x = x.reshape(n, *x.shape[-2:])
@@ -181,8 +149,7 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
           y = jax.lax.all_to_all(y, axes, dim, 0, tiled=True)
       return y[:n].reshape(*lead, *y.shape[-2:])
 
-    # Under shard_map also when nothing is sharded: a Pallas kernel inside a partitioned
-    # program must sit in one (each device then orthogonalizes its own copy, as XLA would).
+    # A Pallas kernel in a partitioned program must sit in a shard_map.
     return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec,
                          check_vma=False)(blocks)
 
@@ -222,13 +189,7 @@ def _rewrap(like, value):
 def muon(cfg: ml_collections.ConfigDict, schedule: optax.Schedule, params: Any,
          decay_mask: Any, *, mesh: Mesh | None = None, param_specs: Any = None
          ) -> optax.GradientTransformation:
-  """Per-head Muon for the matrices, AdamW for the rest, one schedule (`cfg.optimizer`).
-
-  params: `nnx.state(model, nnx.Param)` with the model's metadata (abstract is enough).
-  decay_mask: bools like the pure state: where decoupled weight decay applies.
-  mesh, param_specs: the parameters' mesh and PartitionSpecs (like the pure state), if
-    they are sharded (see `scale_by_muon`).
-  """
+  """Per-head Muon for the matrices, AdamW for the rest, one schedule."""
   o, mu = cfg.optimizer, cfg.optimizer.muon
   labels = muon_labels(params, router=mu.router)
   layouts = block_layouts(params, per_head=mu.per_head)
@@ -247,7 +208,6 @@ def muon(cfg: ml_collections.ConfigDict, schedule: optax.Schedule, params: Any,
 
 
 def _only(tree: Any, keep: Any) -> Any:
-  """`tree` with the leaves where `keep` is False replaced by optax's MaskedNode, matching
-  the masked update trees `optax.partition` hands each inner transformation."""
+  """`tree` with MaskedNode where `keep` is False, as `optax.partition` masks."""
   return jax.tree.map(lambda x, k: x if k else optax.MaskedNode(), tree, keep,
                       is_leaf=lambda x: x is None or isinstance(x, (BlockLayout, PartitionSpec)))

@@ -1,9 +1,7 @@
 """Learning-rate schedules: step -> learning rate, traceable under jit.
 
-The schedule's numbers (peak rate, warmup, length, floor) are values of the optimizer
-state, not constants of the compiled step (`scheduled`): a run resumed with more steps or
-a sweep arm with another learning rate runs the program already compiled (and cached).
-"""
+The numbers live in the optimizer state (`scheduled`), so changing them reuses the
+compiled step."""
 
 from __future__ import annotations
 
@@ -18,16 +16,11 @@ import optax
 
 def warmup_cosine(peak, warmup_steps, total_steps, min_ratio) -> optax.Schedule:
   """Linear warmup from 0 to `peak`, then cosine decay to `peak * min_ratio`.
-
     lr(s) = peak * s / warmup                                     for s < warmup
     lr(s) = peak * (r + (1 - r) * (1 + cos(pi * p)) / 2),         otherwise,
             p = clip((s - warmup) / (total - warmup), 0, 1),  r = min_ratio
 
-  so lr(0) = 0 (with warmup), lr(warmup) = peak, lr(total) = peak * min_ratio, and the
-  rate stays at peak * min_ratio after `total_steps`. `step` is the number of updates
-  already applied (optax's count), so the first update uses lr(0). The arguments may be
-  traced scalars; Python numbers are checked (0 <= warmup_steps <= total_steps).
-  """
+  `step` is optax's count (the first update uses lr(0)); arguments may be traced."""
   if isinstance(warmup_steps, int) and isinstance(total_steps, int) and (
       warmup_steps < 0 or total_steps < warmup_steps):
     raise ValueError(f"warmup_cosine: need 0 <= warmup_steps={warmup_steps} "
@@ -70,9 +63,7 @@ class ScheduledState(NamedTuple):
 
 def scheduled(build: Callable[[optax.Schedule], optax.GradientTransformation],
               params: ScheduleParams) -> optax.GradientTransformation:
-  """The transformation `build(schedule)` with its schedule's numbers in the state:
-  `init` stores `params`, each `update` rebuilds the transformation around the stored
-  ones. `with_schedule` replaces them in an existing state (e.g. a restored one)."""
+  """`build(schedule)` with the schedule's numbers `params` kept in the state."""
   def init(p):
     return ScheduledState(params, build(params.schedule()).init(p))
 
@@ -84,8 +75,7 @@ def scheduled(build: Callable[[optax.Schedule], optax.GradientTransformation],
 
 
 def with_schedule(opt_state: ScheduledState, params: ScheduleParams) -> ScheduledState:
-  """opt_state with its schedule's numbers replaced by `params`, each placed as the one it
-  replaces (device, sharding)."""
+  """opt_state with its schedule's numbers replaced, placed alike."""
   new = [jax.device_put(x, getattr(old, "sharding", None))
          for x, old in zip(params, opt_state.schedule)]
   return opt_state._replace(schedule=ScheduleParams(*new))

@@ -1,7 +1,4 @@
-"""The `mesh` section of the experiment config, the device mesh's axes (`k3jax.parallel.mesh`):
-its fields and defaults (`mesh_config()`) and `validate_mesh`, which names the first
-impossible setting of the section. Whether the axes divide the model's heads and experts,
-or the sequence, is `k3jax.config.validate`'s to check."""
+"""The `mesh` section (`k3jax.parallel.mesh`): `mesh_config()` and `validate_mesh`."""
 
 from __future__ import annotations
 
@@ -20,15 +17,11 @@ def mesh_config() -> ml_collections.ConfigDict:
   p.expert = 1
   p.context = 1          # context parallelism: each sequence's positions split this many ways
   p.tensor = 1
-  # The token dimension mesh.expert splits outside the MoE layers: "batch" (rows) or "seq"
-  # (positions, with mesh.context: sequences too long for a row per expert device)
+  # What mesh.expert splits outside the MoE: "batch" (rows) or "seq" (long sequences)
   p.expert_splits = "batch"
-  # TPU: an axis may take part of a physical torus axis (e.g. 4 x 2 of an 8-chip ring);
-  # its collectives then use part of a ring. False: each axis is whole physical axes.
+  # TPU: an axis may take part of a physical torus axis; False: whole physical axes only
   p.split_physical_axes = False
-  # Multi-slice TPU: how many of each axis's ways run across slices over DCN (the rest, the
-  # ICI part mesh.<axis> / dcn_<axis>, stay within a slice); they multiply to the number of
-  # slices. Usually data parallelism alone crosses DCN: dcn_data = slices.
+  # Multi-slice: each axis's ways across slices over DCN; they multiply to the slice count
   p.dcn_data = 1
   p.dcn_fsdp = 1
   p.dcn_expert = 1

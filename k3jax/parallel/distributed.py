@@ -1,26 +1,8 @@
 """The multi-controller runtime: one JAX process per host (or per GPU), one program over all.
 
-`initialize()` calls `jax.distributed.initialize` when the run spans several processes and
-does nothing for a single process. It must run before anything touches a JAX device. The
-values come from, first match wins:
-
-  1. explicit values: the `k3jax.train` flags --coordinator_address, --num_processes,
-     --process_id, --local_device_ids, else the environment variables JAX_COORDINATOR_ADDRESS,
-     JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS (what `launch/local.py` sets);
-  2. JAX's own cluster detection (jax 0.10.2, `jax._src.clusters`) fills whatever is unset:
-       gcetpu  Cloud TPU VMs and queued resources (GCE metadata; multislice via MEGASCALE_*)
-       gketpu  TPU pods on GKE, e.g. a JobSet (TPU_WORKER_HOSTNAMES, TPU_WORKER_ID)
-       slurm   inside `srun` (SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID,
-               SLURM_LOCALID); one process per task, a task sees GPU SLURM_LOCALID unless
-               local_device_ids says otherwise
-       ompi    inside `mpirun` of Open MPI (OMPI_MCA_orte_hnp_uri)
-       K8sCluster  an indexed Kubernetes Job or JobSet (KUBERNETES_SERVICE_HOST; needs the
-               `kubernetes` package: `pip install "jax[k8s]"`)
-  3. neither: a single process.
-
-Without a detected cluster, coordinator_address, num_processes and process_id go together:
-giving some but not all is an error naming the missing ones.
-"""
+`initialize()` starts `jax.distributed` before any device is touched, from the flags
+--coordinator_address, --num_processes, --process_id, --local_device_ids (or JAX_*
+variables), then JAX's cluster detection; else a single process."""
 
 from __future__ import annotations
 
@@ -40,8 +22,7 @@ REQUIRED = ("coordinator_address", "num_processes", "process_id")
 
 
 def detect_cluster() -> str | None:
-  """The cluster environment that JAX's auto-detection would use ('gcetpu', 'gketpu',
-  'slurm', 'ompi', 'K8sCluster'), or None outside of any."""
+  """The cluster environment JAX would detect, or None."""
   # JAX keeps its registry private; opt-in methods (mpi4py) are only used when named.
   from jax._src import clusters  # noqa: PLC0415
   for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001
@@ -51,7 +32,6 @@ def detect_cluster() -> str | None:
 
 
 def _from_env(name: str, value):
-  """`value`, or else the environment variable for `name`, parsed; None when neither is set."""
   if value is not None:
     return value
   var = SOURCES[name][1]
@@ -68,9 +48,7 @@ def _from_env(name: str, value):
 def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
             process_id: int | None = None,
             local_device_ids: Sequence[int | str] | None = None) -> dict | None:
-  """The explicit arguments (or their environment variables) for `jax.distributed.initialize`,
-  or None for a single process. ValueError naming what is missing when only some are given
-  and no cluster is detected to supply the rest."""
+  """`jax.distributed.initialize` arguments, or None; ValueError naming gaps."""
   if local_device_ids is not None:
     try:
       local_device_ids = [int(x) for x in local_device_ids]
@@ -108,15 +86,13 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None,
                local_device_ids: Sequence[int | str] | None = None) -> bool:
-  """Starts the multi-controller runtime if this is one of several processes (see the module
-  docstring for where the values come from); returns whether it did. Call it first, before
-  any JAX computation."""
+  """Starts the runtime if this is one of several processes; returns whether it did."""
   args = resolve(coordinator_address, num_processes, process_id, local_device_ids)
   if args is None:
     return False
   cluster = args.pop("cluster")
   jax.distributed.initialize(**args)
-  if jax.process_index() == 0:  # logs come from process 0 only, like k3jax.train's
+  if jax.process_index() == 0:
     where = args["coordinator_address"] or f"detected ({cluster})"
     print(f"distributed: {jax.process_count()} processes, coordinator {where}", flush=True)
   return True

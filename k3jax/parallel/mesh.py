@@ -1,25 +1,10 @@
 """The device mesh of a run, from `config.mesh` (axis sizes; -1 = what the others leave).
 
-  data    pure data parallelism (parameters replicated across it)
-  fsdp    data parallelism with parameters and optimizer state sharded across it
-  expert  data parallelism for the dense parts, routed experts split across it
-  context the positions of each sequence split across it (context parallelism); weights
-          are sharded across it as across fsdp
-  tensor  heads and FFN widths split across it (within a layer)
-
-Batches are split over data x fsdp x expert along rows and over context along positions;
-the rules in `sharding.py` say which logical axis of which array goes where. Axes further
-right get devices closer together (tensor, then context, exchange the most).
-
-Several TPU slices (multi-slice, joined by the data-centre network, DCN) form one hybrid
-mesh: `mesh.dcn_<axis>` of the `mesh.<axis>` ways run across slices, the rest
-(`mesh.<axis> / mesh.dcn_<axis>`, the ICI part) within each slice. The DCN sizes multiply
-to the number of slices; e.g. 2 slices of 64 chips with `mesh.fsdp=64, mesh.dcn_data=2`
-(data = -1 fills to 2): data parallelism over DCN, FSDP inside each slice. Along every axis
-the slice is the outer (major) index, so the devices of one slice are contiguous in the ICI
-part and a collective over a DCN-free axis never leaves its slice. Slices are the devices'
-`slice_index` (TPU); where devices have none, each process is a slice (GPU hosts).
-"""
+Axes: data (replicated), fsdp (state sharded), expert (routed experts split), context
+(positions split; weights as fsdp), tensor (heads, FFN widths). Rules: sharding.py; axes
+further right get closer devices. Across slices (DCN), `mesh.dcn_<axis>` of each axis's
+ways span slices (multiplying to their number), the slice being the outer index; slices
+are `slice_index` (TPU) or processes."""
 
 from __future__ import annotations
 
@@ -61,8 +46,7 @@ def mesh_shape(cfg_mesh: ml_collections.ConfigDict, num_devices: int) -> dict[st
 
 def dcn_shape(cfg_mesh: ml_collections.ConfigDict, sizes: dict[str, int],
               num_slices: int) -> dict[str, int]:
-  """The DCN part of each axis (`mesh.dcn_<axis>`); ConfigError naming the field when one
-  does not divide its axis or they do not multiply to the `num_slices` slices."""
+  """The DCN part of each axis; ConfigError naming the field if inconsistent."""
   dcn = {a: int(cfg_mesh[f"dcn_{a}"]) for a in MESH_AXES}
   for a, s in dcn.items():
     if s < 1:
@@ -82,9 +66,7 @@ def dcn_shape(cfg_mesh: ml_collections.ConfigDict, sizes: dict[str, int],
 
 
 def slices(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
-  """The devices grouped by slice (`slice_index`; the process where devices have none), in
-  slice order. TPU devices without `slice_index` (libtpu's one-slice topologies) are one
-  slice, however many hosts it spans."""
+  """The devices grouped by slice, in slice order."""
   def key(d):
     if hasattr(d, "slice_index"):
       return d.slice_index
@@ -97,8 +79,7 @@ def slices(devices: Sequence[jax.Device]) -> list[list[jax.Device]]:
 
 def make_mesh(cfg_mesh: ml_collections.ConfigDict,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The mesh over `devices` (default: all), axes MESH_AXES, every axis in Auto mode; over
-  several slices, the hybrid mesh of the module docstring."""
+  """The mesh (axes MESH_AXES, Auto mode) over `devices` (default: all), hybrid over slices."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = mesh_shape(cfg_mesh, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
@@ -120,8 +101,6 @@ def make_mesh(cfg_mesh: ml_collections.ConfigDict,
     raise ConfigError(f"config.mesh.dcn_*: the slices have different device counts "
                       f"{sorted(per_slice)}; a hybrid mesh needs equal slices")
   ici = tuple(sizes[a] // dcn[a] for a in MESH_AXES)
-  # Within a slice, the arrangement jax.make_mesh gives one slice (it splits physical axes
-  # of v5e only).
   with _named_layout_error(dict(zip(MESH_AXES, ici)), groups[0]):
     array = mesh_utils.create_hybrid_device_mesh(
         ici, tuple(dcn[a] for a in MESH_AXES), devices,
@@ -133,8 +112,7 @@ def make_mesh(cfg_mesh: ml_collections.ConfigDict,
 
 @contextlib.contextmanager
 def _named_layout_error(ici: dict[str, int], slice_devices: Sequence[jax.Device]):
-  """ConfigError naming the per-slice axis sizes and the slice's physical torus when JAX
-  cannot lay the axes onto it (a TPU axis must be a product of whole physical axes)."""
+  """ConfigError when the per-slice axes cannot be laid onto the physical torus."""
   try:
     yield
   except (NotImplementedError, ValueError) as e:

@@ -2,8 +2,7 @@
 
 The model names axes (`k3jax.axes`); RULES map them to mesh axes. A mesh axis is
 used once per array (first come, first served), so an activation [batch, seq, embed]
-puts fsdp on `batch` while a weight [embed, mlp] puts it on `embed`.
-"""
+puts fsdp on `batch` while a weight [embed, mlp] puts it on `embed`."""
 
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ from k3jax.config_error import ConfigError
 from k3jax.parallel.config import EXPERT_SPLITS
 
 def rules(expert_splits: str = "batch") -> tuple:
-  """The logical-axis rules. `expert_splits` (config.mesh.expert_splits): the token
-  dimension the `expert` mesh axis splits outside the MoE, the rows of the batch or, for
-  long sequences in few rows, the positions of each (with `context`)."""
+  """The logical-axis rules; `expert_splits`: the token dim `expert` splits outside the MoE."""
   if expert_splits not in EXPERT_SPLITS:
     raise ConfigError(f"config.mesh.expert_splits: must be one of {EXPERT_SPLITS}, "
                       f"got {expert_splits!r}")
@@ -31,8 +28,7 @@ def rules(expert_splits: str = "batch") -> tuple:
   return (
       *tokens,
       ("cache_seq", tokens[1][1]),   # a decoding cache's positions, as a sequence's
-      # weights: FSDP shards the model width over every device that holds other tokens of
-      # the batch, the expert and context axes included (else they would hold copies of them)
+      # weights: FSDP over every axis that splits tokens, so none holds copies
       ("embed", ("fsdp", "expert", "context")),
       ("latent", ("fsdp", "context")),  # routed-expert stacks (split over expert by `experts`)
       ("heads", "tensor"),
@@ -69,10 +65,7 @@ def check_divisible(state: Any, mesh: Mesh, rules=RULES) -> None:
 
 def state_shardings(mesh: Mesh, tx: optax.GradientTransformation, abs_vars: Any,
                     rules=RULES) -> tuple[Any, Any]:
-  """NamedShardings for (pure params, optimizer state) of the parameter state `abs_vars`
-  (Variables with axis names; abstract is enough). Every copy of the parameter tree inside
-  the optimizer state (moments, momentum) is sharded like the parameters; the rest of it
-  (step counts) is replicated."""
+  """NamedShardings of (params, opt_state); moments like the parameters, counts replicated."""
   params = shardings(mesh, abs_vars, rules)
   abs_opt = jax.eval_shape(tx.init, nnx.as_pure(abs_vars))
   replicated = NamedSharding(mesh, PartitionSpec())
