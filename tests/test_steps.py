@@ -151,7 +151,8 @@ def test_cast_params_once_gives_the_same_step():
 
   def step(cast_once):
     cfg = micro_config()
-    cfg.model.num_layers, cfg.model.dense_layers = 5, 0
+    # one scanned [KDA, MLA] cycle and the final MLA
+    cfg.model.num_layers, cfg.model.mla_every, cfg.model.dense_layers = 3, 2, 0
     cfg.model.dtype, cfg.model.remat = "bfloat16", "full"
     cfg.model.moe.latent_dim, cfg.model.moe.expert_quant = 32, "mxfp4"
     cfg.optimizer.name = "adamw"

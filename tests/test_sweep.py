@@ -21,6 +21,9 @@ from k3jax.model.k3 import layer_plan
 from k3jax.sweep import device_slots
 from k3jax.sweep_spec import DONE_JSON, LOG_NAME, load_sweep, plan, run_config
 
+# the killed-and-resumed sweep (a module fixture) runs once, in one pytest-xdist worker
+pytestmark = pytest.mark.xdist_group("sweep")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MICRO = "experiments/sweeps/micro.py"
 OPEN_QUESTIONS = "experiments/sweeps/open_questions.py"
