@@ -46,7 +46,7 @@ from flax import nnx
 from k3jax import cli
 from k3jax import config as k3config
 from k3jax import steps
-from k3jax.model import latent_moe, moe_dispatch
+from k3jax.model import latent_moe, layers, moe_dispatch
 from k3jax.model.situ_glu import glu_activation
 from kda import time_jax
 from pallas_kernels.grouped_matmul import grouped_matmul
@@ -120,7 +120,7 @@ def layer_parts(cfg_model, rows: int, seq: int, key):
   useful = n * k * per_pair
   dense = n * (2 * d * n_exp + 2 * d * lat + 2 * lat * d + e.num_shared * 3 * 2 * d * e.shared_dim)
   # train.cast_params_once: the step hands the layer its expert matrices already in bf16
-  cast_once = steps.apply_views(nnx.as_pure(state), steps.compute_views(state))
+  cast_once = steps.apply_views(nnx.as_pure(state), layers.compute_views(state))
   parts = {"layer": (run_layer, state, x, useful + dense, useful + dense),
            "layer, experts cast once": (run_layer, cast_once, x, useful + dense,
                                         useful + dense)}

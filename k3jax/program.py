@@ -26,7 +26,8 @@ from k3jax import axes, checkpoint, optim, parallel
 from k3jax.config import MODEL_RESTORE_FIELDS, ConfigError, check_context, xla_options
 from k3jax.data import MediaSpec, feature_shapes
 from k3jax.model import K3Model
-from k3jax.steps import compute_views, make_steps
+from k3jax.model.layers import compute_views
+from k3jax.steps import make_steps
 
 
 def batch_shapes(cfg) -> dict[str, tuple[tuple[int, ...], Any]]:

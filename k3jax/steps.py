@@ -6,7 +6,6 @@ rest (the balancing biases) are `nnx.as_pure` states. A batch: "inputs", "target
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -16,7 +15,7 @@ from flax import nnx
 
 from k3jax import axes
 from k3jax.media import PackedMedia
-from k3jax.model import K3Model, mxfp4
+from k3jax.model import K3Model
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
@@ -80,29 +79,6 @@ def split_microbatches(batch: dict, microbatches: int) -> dict:
     rows = x.shape[0] // microbatches
     return jnp.swapaxes(x.reshape(rows, microbatches, *x.shape[1:]), 0, 1)
   return jax.tree.map(split, batch)
-
-
-@dataclasses.dataclass(frozen=True)
-class ComputeView:
-  """How every use of a parameter sees it: quantized (`quant`), then cast."""
-  dtype: str = ""
-  quant: str = ""
-
-  def __bool__(self) -> bool:
-    return bool(self.dtype or self.quant)
-
-  def __call__(self, p: jax.Array) -> jax.Array:
-    if self.quant == "mxfp4":
-      p = mxfp4.fake_quantize(p, axis=-2)
-    return p.astype(self.dtype) if self.dtype else p
-
-
-def compute_views(abstract_params) -> Any:
-  """`ComputeView` per leaf of `nnx.state(model, nnx.Param)` (only metadata is read)."""
-  def view(v):
-    meta = v.get_metadata()
-    return ComputeView(meta.get("compute_dtype", ""), meta.get("compute_quant", ""))
-  return jax.tree.map(view, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def apply_views(params, views):

@@ -147,7 +147,7 @@ def test_cast_params_once_gives_the_same_step():
   (moe.expert_quant="mxfp4", bf16 compute, 2 microbatches, full remat); only the expert
   matrices get a view. (Without xla_allow_excess_precision=false the gradient norm differs
   in the 6th digit on CPU.)"""
-  from k3jax.steps import ComputeView, compute_views  # noqa: PLC0415
+  from k3jax.model.layers import ComputeView, compute_views  # noqa: PLC0415
 
   def step(cast_once):
     cfg = micro_config()

@@ -21,11 +21,11 @@ from jax.sharding import PartitionSpec
 
 from k3jax import axes
 from k3jax.axes import constrain
-from k3jax.model import balancing, mxfp4
+from k3jax.model import balancing
 from k3jax.model import quantile_balancing as qb
 from k3jax.model.expert_parallel import (expert_parallel_dropless_moe, expert_parallel_moe,
                                          experts_split)
-from k3jax.model.layers import Dense, RMSNorm, normal, param
+from k3jax.model.layers import ComputeView, Dense, RMSNorm, normal, param
 from k3jax.model.moe_dispatch import (DISPATCHES, batched_glu_experts, capacity_moe,
                                       dropless_moe, grouped_kernel_fits, ragged_glu_experts,
                                       resolve_dispatch)
@@ -67,7 +67,8 @@ class LatentMoE(nnx.Module):
       raise ValueError(f"moe.dispatch must be one of {DISPATCHES}, got {e.dispatch!r}")
     self.dispatch, self.capacity_factor = e.dispatch, float(e.capacity_factor)
     self.gmm_backend, self.token_chunk = e.gmm_backend, int(e.token_chunk)
-    self.expert_quant = e.expert_quant
+    # the routed experts' quantization in every forward (train.cast_params_once: in the step)
+    self.expert_quant = "" if e.expert_quant == "none" else e.expert_quant
     self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
 
     # The router is stored and applied in fp32 whatever the model dtypes.
@@ -76,7 +77,7 @@ class LatentMoE(nnx.Module):
     self.bias = qb.BalanceBias(jnp.zeros((n_exp,), jnp.float32), out_sharding=("experts",),
                                eager_sharding=False)
     expert_matrix = dict(muon="matrix", muon_roles=("expert", "in", "out"), compute_dtype=dtype,
-                         compute_quant=None if e.expert_quant == "none" else e.expert_quant)
+                         compute_quant=self.expert_quant or None)
     self.weights_prepared = False  # True: the step quantized and cast them (cast_params_once)
     self.w_down = Dense(d, lat, ("embed", "latent"), rngs=rngs, dtype=dtype, param_dtype=pdt)
     self.w_g = param(rngs, normal(lat ** -0.5), (n_exp, lat, hid), ("experts", "latent", "mlp"),
@@ -94,10 +95,8 @@ class LatentMoE(nnx.Module):
 
   def expert_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
     """w_g, w_u [E, latent, hidden], w_d [E, hidden, latent], MXFP4-quantized if asked."""
-    ws = self.w_g[...], self.w_u[...], self.w_d[...]
-    if self.expert_quant == "mxfp4" and not self.weights_prepared:
-      ws = tuple(mxfp4.fake_quantize(w, axis=-2) for w in ws)
-    return ws
+    quantize = ComputeView(quant="" if self.weights_prepared else self.expert_quant)
+    return tuple(quantize(w[...]) for w in (self.w_g, self.w_u, self.w_d))
 
   def __call__(self, x: jax.Array, valid: jax.Array | None = None):
     b, t, _ = x.shape

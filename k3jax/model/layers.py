@@ -6,14 +6,17 @@ Parameters live in `param_dtype`, cast to `dtype` where used. Optimizer metadata
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.axes import AxisNames
+from k3jax.model import mxfp4
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
@@ -45,6 +48,30 @@ def param(rngs: nnx.Rngs | None, init: Initializer, shape: Sequence[int], axes: 
   key = rngs.params() if rngs is not None else jax.random.key(0)
   return nnx.Param(init(key, tuple(shape), dtype), out_sharding=tuple(axes),
                    eager_sharding=False, **meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeView:
+  """How every use of a parameter sees it (its `compute_quant`, then `compute_dtype`):
+  the model applies it in its forward, `train.cast_params_once` once per step."""
+  dtype: str = ""
+  quant: str = ""
+
+  def __bool__(self) -> bool:
+    return bool(self.dtype or self.quant)
+
+  def __call__(self, p: jax.Array) -> jax.Array:
+    if self.quant == "mxfp4":
+      p = mxfp4.fake_quantize(p, axis=-2)
+    return p.astype(self.dtype) if self.dtype else p
+
+
+def compute_views(abstract_params) -> Any:
+  """`ComputeView` per leaf of `nnx.state(model, nnx.Param)` (only metadata is read)."""
+  def view(v):
+    meta = v.get_metadata()
+    return ComputeView(meta.get("compute_dtype", ""), meta.get("compute_quant", ""))
+  return jax.tree.map(view, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def normal(std: float) -> Initializer:
