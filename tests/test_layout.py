@@ -117,7 +117,7 @@ def test_parameters_become_the_release_tensors_and_come_back(tmp_path):
   loaded = {}
   for p, src in layout.sources(m, source).items():
     full = tuple((0, n) for n in params[p].shape)
-    loaded[p] = src(full)
+    loaded[p] = np.asarray(stream.materialize(src(full)))
     if p.endswith(("ffn/w_g", "ffn/w_u", "ffn/w_d")):          # routed experts
       want_p = np.asarray(mxfp4.fake_quantize(params[p], axis=-2))
     elif p.endswith(("A_log", "dt_bias", "_conv", "o_norm/weight", "ffn/bias")):
@@ -126,8 +126,9 @@ def test_parameters_become_the_release_tensors_and_come_back(tmp_path):
       want_p = params[p].astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(loaded[p], want_p, err_msg=p)
   box = ((0, 1), (8, 40), (0, 1), (0, 32))                      # one cycle, rows, a head
-  np.testing.assert_array_equal(layout.sources(m, source)["cycles/layers/0/mixer/q_proj/kernel"](
-      box), loaded["cycles/layers/0/mixer/q_proj/kernel"][:1, 8:40, :1, :32])
+  q_proj = "cycles/layers/0/mixer/q_proj/kernel"
+  np.testing.assert_array_equal(stream.materialize(layout.sources(m, source)[q_proj](box)),
+                                loaded[q_proj][:1, 8:40, :1, :32])
 
   again = dict(layout.tensors(m, getter(loaded)))
   for name, array in release.items():
@@ -167,7 +168,8 @@ def model_from_release(m, arrays):
   loaded = layout.sources(m, source)
   for path, var in flat:
     key = "/".join(map(str, path))
-    var.set_value(jnp.asarray(loaded[key](tuple((0, n) for n in var.get_value().shape))))
+    var.set_value(jnp.asarray(stream.materialize(
+        loaded[key](tuple((0, n) for n in var.get_value().shape)))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -229,7 +231,8 @@ def test_vision_tensors_are_the_releases_and_come_back():
   np.testing.assert_array_equal(qkv[40:48], wv.T.astype(ml_dtypes.bfloat16).astype(np.float32))
   arrays = {k: np.asarray(a, np.float32) for k, a in release.items()
             if not k.endswith(("weight_packed", "weight_scale"))}
-  loaded = {p: src(tuple((0, n) for n in params[p].shape)) for p, src in
+  loaded = {p: np.asarray(stream.materialize(src(tuple((0, n) for n in params[p].shape))))
+            for p, src in
             layout.sources(m, lambda n: (lambda box, a=arrays.get(n): a if box is None else
                                          a[tuple(slice(x, y) for x, y in box)])).items()
             if p.startswith("vision/")}

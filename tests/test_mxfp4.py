@@ -39,6 +39,19 @@ def test_scale_extremes(scale, factor):
   assert np.isfinite(got).all() and got[0] > 0
 
 
+def test_the_device_decode_is_bit_equal_for_every_code_and_scale():
+  """dequantize_jax (the import's decode on the device) against the NumPy codec: all 16
+  codes at all 255 scales, bit for bit: subnormals (scales 0, 1) and the overflow to inf
+  (6 x 2^127) included, though devices flush subnormal arithmetic to zero."""
+  codes = np.tile(np.arange(16, dtype=np.uint8), 2)[None].repeat(255, axis=0)   # [255, 32]
+  packed, scales = mxfp4.pack_codes(codes), np.arange(255, dtype=np.uint8)[:, None]
+  with np.errstate(over="ignore"):
+    want = mxfp4.dequantize(packed, scales)
+  got = np.asarray(mxfp4.dequantize_jax(packed, scales))
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+  assert np.isinf(want).any() and (np.abs(want[0][want[0] != 0]) < 2.0 ** -126).any()
+
+
 def test_nan_scale_and_bad_shapes_are_refused():
   packed, scales = one_group([1], 255)
   with pytest.raises(ValueError, match="255"):

@@ -1,6 +1,6 @@
 """k3jax.convert.stream: sharded arrays assembled from reads of their own boxes only (8
 simulated devices), sources composed (layers stacked, torch weights transposed, MXFP4
-dequantized) equal to the whole tensor assembled in memory."""
+dequantized on the device) equal to the whole tensor assembled in memory."""
 
 import jax
 import ml_dtypes
@@ -66,7 +66,7 @@ def test_layers_of_torch_weights_in_files_stack_transposed(tmp_path):
                                   sharding=NamedSharding(mesh(), P(None, None, "b")))
   got = np.asarray(stream.assemble(abstract, source))
   np.testing.assert_array_equal(got, np.stack([w.T for w in ws]).astype(np.float32))
-  np.testing.assert_array_equal(source(((1, 2), (0, 6), (2, 4))),
+  np.testing.assert_array_equal(stream.materialize(source(((1, 2), (0, 6), (2, 4)))),
                                 ws[1].T[None, :, 2:4])
 
 
@@ -90,5 +90,9 @@ def test_mxfp4_experts_dequantize_from_their_rows(tmp_path):
   want = np.stack([mxfp4.dequantize(mxfp4.pack_codes(codes[e]), scales[e]).T
                    for e in range(2)])
   np.testing.assert_array_equal(np.asarray(stream.assemble(abstract, source)), want)
+  # the host holds the stored bytes (both experts' codes and scales, stacked), not float32
+  part = source(((0, 2), (0, 64), (0, 4)))
+  assert [(x.dtype, x.shape) for x in part.leaves] == [(np.uint8, (2, 4, 32)),
+                                                        (np.uint8, (2, 4, 2))]
   with pytest.raises(st.FormatError, match="not the codes and scales of one MXFP4 weight"):
     stream.from_mxfp4(infos["e0.weight_packed"], infos["e0.weight_packed"])

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -39,13 +40,14 @@ def _contiguous(idx: np.ndarray) -> bool:
   return idx[-1] - idx[0] + 1 == len(idx) and bool(np.all(np.diff(idx) == 1))
 
 
-def _span_gather(src: Source, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+def _span_gather(src: Source, rows: np.ndarray, cols: np.ndarray) -> stream.Part:
   """src[rows][:, cols] for index arrays, reading the rows' covering span once."""
   r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
-  block = src(((int(r0), int(r1)), (int(c0), int(c1))))
+  block = stream.as_part(src(((int(r0), int(r1)), (int(c0), int(c1)))))
   if _contiguous(rows) and _contiguous(cols):
     return block
-  return block[np.ix_(rows - r0, cols - c0)]
+  index = np.ix_(rows - r0, cols - c0)
+  return block.map(lambda x: x[index], ("gather", rows.tobytes(), cols.tobytes()))
 
 
 def _flat(box: Box, shape: tuple[int, ...]) -> np.ndarray:
@@ -59,12 +61,13 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, row_offset:
   n_in = len(in_shape)
 
   def load(src: Source) -> Source:
-    def read(box: Box) -> np.ndarray:
+    def read(box: Box) -> stream.Part:
       in_box, out_box = box[:n_in], box[n_in:]
       rows = _flat(out_box, out_shape) + row_offset
       cols = _flat(in_box, in_shape) + col_offset
       sub = _span_gather(src, rows, cols)                    # [n_out, n_in]
-      return sub.T.reshape([b - a for a, b in in_box] + [b - a for a, b in out_box])
+      shape = [b - a for a, b in in_box] + [b - a for a, b in out_box]
+      return sub.map(lambda x: x.T.reshape(shape), ("linear", tuple(shape)))
     return read
   return load
 
@@ -74,11 +77,12 @@ def torch_weight(w: np.ndarray, n_in: int) -> np.ndarray:
   return w.reshape(math.prod(w.shape[:n_in]), -1).T
 
 
-def whole(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[Source], Source]:
+def whole(fn: Callable[[jax.Array], jax.Array]) -> Callable[[Source], Source]:
   """A small parameter: the whole release tensor read, `fn` applied, the box cut out."""
   def load(src: Source) -> Source:
-    def read(box: Box) -> np.ndarray:
-      return fn(src(None))[tuple(slice(a, b) for a, b in box)]
+    def read(box: Box) -> stream.Part:
+      cut = tuple(slice(a, b) for a, b in box)
+      return stream.as_part(src(None)).map(lambda x: fn(x)[cut], None)
     return read
   return load
 

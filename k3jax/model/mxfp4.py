@@ -5,8 +5,8 @@ codes a byte, even column low; code = sign bit 8 | index) and scales uint8 [...,
 
 `quantize` follows compressed-tensors' rule on the bf16 weight: scale = p / 4 for the
 group amax rounded to a power of two p, values to the nearest E2M1 (ties even, saturating
-at 6); on-grid weights round-trip. NumPy codec for import/export; `fake_quantize` is the
-same rule in JAX for QAT."""
+at 6); on-grid weights round-trip. NumPy codec for import/export; `dequantize_jax` decodes
+on a device (the import); `fake_quantize` is the quantization rule in JAX for QAT."""
 
 from __future__ import annotations
 
@@ -61,12 +61,39 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.n
   if scales.shape != (*shape[:-1], _groups(shape, n)):
     raise ValueError(f"MXFP4 scales of shape {scales.shape} do not fit packed weights "
                      f"{packed.shape} ({n} columns: {n // GROUP} scales a row)")
-  if (scales == NAN_SCALE).any():
-    raise ValueError("MXFP4 scale 255 (E8M0 NaN) in the scales")
+  check_scales(scales)
   values = np.take(_BYTE_VALUES, packed).view(np.float32).reshape(*shape[:-1], -1, GROUP)
   factors = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)
   np.multiply(values, factors[..., None], out=values)   # in place: no second large array
   return values.reshape(shape).astype(dtype, copy=False)
+
+
+def check_scales(scales: np.ndarray) -> None:
+  if (scales == NAN_SCALE).any():
+    raise ValueError("MXFP4 scale 255 (E8M0 NaN) in the scales")
+
+
+def _value_bits() -> np.ndarray:
+  """uint32 [256 scales, 16 codes]: float32 bits of each value, subnormals exact, past
+  float32's range inf (as `dequantize` gives)."""
+  with np.errstate(over="ignore"):
+    values = np.ldexp(_code_values().astype(np.float64)[None, :], np.arange(256)[:, None] - 127)
+    return values.astype(np.float32).view(np.uint32)
+
+
+# a gather from this table: no arithmetic for a device's flush-to-zero to touch
+_VALUE_BITS = _value_bits().reshape(-1)
+
+
+@jax.jit
+def dequantize_jax(packed: jax.Array, scales: jax.Array) -> jax.Array:
+  """`dequantize` on packed's device: uint8 [..., N / 2], [..., N / 32] -> float32 [..., N]."""
+  n = 2 * packed.shape[-1]
+  codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1],
+                                                                   n // GROUP, GROUP)
+  index = scales.astype(jnp.int32)[..., None] * 16 + codes
+  bits = jnp.asarray(_VALUE_BITS)[index]
+  return jax.lax.bitcast_convert_type(bits, jnp.float32).reshape(*packed.shape[:-1], n)
 
 
 def group_scales(amax_bf16: np.ndarray) -> np.ndarray:
