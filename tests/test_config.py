@@ -43,7 +43,6 @@ def test_experiments_validate(name):
     ("model.moe.latent_dim", 8192, "latent 8192 is wider than the hidden"),
     ("model.moe.top_k", 900, "top_k"),
     ("model.mla.q_lora_rank", 9000, "wider than d_model"),
-    ("model.kda.gate", "softplus", "model.kda.backend"),
     ("model.kda.chunk_size", 48, "model.kda.chunk_size"),
     ("model.kda.conv_backend", "triton", "model.kda.conv_backend"),
     ("model.remat", "some", "model.remat"),
@@ -74,6 +73,20 @@ def test_mxfp4_experts_need_whole_groups():
   k3config.validate(c)
   c.model.moe.expert_dim = 3_000
   with pytest.raises(k3config.ConfigError, match="latent_dim 3584 and expert_dim 3000"):
+    k3config.validate(c)
+
+
+def test_the_softplus_gate_runs_where_a_backend_takes_it():
+  """The unbounded (softplus) gate: the chunked form and the literal recurrence take it,
+  "auto" picks the chunked form for it; a KDA kernel is refused, naming the field."""
+  c = load("k3_full")
+  c.model.kda.gate = "softplus"
+  for backend in ("auto", "chunk", "naive"):
+    c.model.kda.backend = backend
+    k3config.validate(c)
+  c.model.kda.backend = "kernel"
+  with pytest.raises(k3config.ConfigError, match="model.kda.backend: 'kernel' needs the "
+                                                 "bounded gate"):
     k3config.validate(c)
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import LOWER_BOUND, kda, kda_chunk, kda_naive
+from pallas_kernels.kda import LOWER_BOUND, kda, kda_chunk, kda_naive, resolve_backend
 
 RTOL_FP32 = 1e-4  # chunk vs naive, fp32, relative RMS
 RTOL_BF16 = 1e-2  # chunk on bf16 inputs vs naive on the fp32 originals
@@ -72,6 +72,32 @@ def test_chunk_matches_naive():
     for name, a, b in zip(GRAD_NAMES, grads, g_ref):
       assert np.all(np.isfinite(a[row])), (name, row)
       assert rel_rms(a[row], b[row]) < RTOL_FP32, (name, row)
+
+
+def test_unbounded_gate_chunk_matches_naive():
+  """Kimi Linear's softplus gate: g unbounded below (down to -60 a token here, where the
+  bounded form's factors would overflow); `bounded_gate=False` takes the diagonal tiles
+  elementwise. Outputs, state and gradients equal the literal recurrence; packed
+  documents too."""
+  B, T, H, K, V = 2, 100, 2, 32, 16
+  q, k, v, _, beta, h0 = make_inputs(12, B, T, H, K, V)
+  f = np.random.default_rng(13).standard_normal((B, T, H, K)) * 3
+  f[1, 20:60] += 30.0
+  g = jnp.asarray(-2.0 * np.logaddexp(0.0, f), jnp.float32)      # -A softplus(f), A = 2
+  assert float(g.min()) < -60 and float(g.max()) < 0
+  cot = cotangents(14, (B, T, H, V), (B, H, K, V))
+  unbounded = functools.partial(kda_chunk, bounded_gate=False)
+  for segment_ids in (None, packed_segment_ids()):
+    naive = functools.partial(kda_naive, segment_ids=segment_ids)
+    chunk = functools.partial(unbounded, segment_ids=segment_ids)
+    (o_ref, s_ref), g_ref = forward_and_grads(naive, q, k, v, g, beta, h0, *cot)
+    (o, s), grads = forward_and_grads(chunk, q, k, v, g, beta, h0, *cot)
+    for row in range(B):
+      assert rel_rms(o[row], o_ref[row]) < RTOL_FP32, row
+      assert rel_rms(s[row], s_ref[row]) < RTOL_FP32, row
+      for name, a, b in zip(GRAD_NAMES, grads, g_ref):
+        assert np.all(np.isfinite(a[row])), (name, row)
+        assert rel_rms(a[row], b[row]) < RTOL_FP32, (name, row)
 
 
 def test_return_structure():
@@ -215,6 +241,11 @@ def test_dispatcher():
     assert trace(kda, backend=backend) == trace(fn)
   with pytest.raises(ValueError, match="chunk.*naive"):
     kda(q, k, v, g, beta, backend="pallas")
+  # an unbounded gate: "auto" picks the chunked form on every platform, a kernel refuses it
+  assert resolve_backend("auto", "gpu", bounded_gate=False) == "chunk"
+  assert resolve_backend("auto", "gpu") == "kernel"
+  with pytest.raises(ValueError, match="needs the bounded gate"):
+    kda(q, k, v, g, beta, backend="interpret", bounded_gate=False)
 
 
 def test_chunk_rejects_bad_tile_sizes():

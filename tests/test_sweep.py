@@ -177,7 +177,8 @@ def test_a_sweep_file_without_get_sweep_or_variant_is_named(tmp_path):
     ('{"model.mla_evry": 2}', "arm 'a': --config.model.mla_evry is not a field; did you mean "
                               "model.mla_every?"),
     ('{"model.mla_every": "two"}', "arm 'a': --config.model.mla_every=two: invalid literal"),
-    ('{"model.kda.gate": "softplus"}', "arm 'a': config.model.kda.backend: the chunked form"),
+    ('{"model.kda.gate": "softplus", "model.kda.backend": "kernel"}',
+     "arm 'a': config.model.kda.backend: 'kernel' needs the bounded gate"),
 ])
 def test_an_arm_that_is_not_a_valid_config_is_named(tmp_path, overrides, message):
   sweep = load_sweep(sweep_file(tmp_path, f'{{{BASE}, "arms": [("a", {overrides})]}}'))
@@ -271,5 +272,5 @@ def test_the_open_questions_record_holds_each_arms_config(tmp_path):
   sweep = load_sweep(OPEN_QUESTIONS)
   record = write_record(sweep, plan(sweep, str(tmp_path)), str(tmp_path))
   assert json.loads((tmp_path / "sweep.json").read_text()) == record
-  assert record["arms"]["softplus_gate"]["config"]["model"]["kda"]["backend"] == "naive"
+  assert record["arms"]["softplus_gate"]["config"]["model"]["kda"]["gate"] == "softplus"
   assert len(record["runs"]) == len(sweep.arms) * len(sweep.seeds)

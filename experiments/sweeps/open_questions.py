@@ -17,8 +17,8 @@ one choice of the base config ("baseline": K3's own choices).
   balancing      Quantile Balancing (K3), DeepSeek-V3's auxiliary-loss-free bias (its
                  default speed), Switch's auxiliary loss at its weight 0.01.
   optimizer      Muon per head (K3), Muon on whole matrices, AdamW (the same schedule).
-  kda_gate       the bounded decay gate (K3) or Kimi Linear's softplus gate, which only the
-                 naive (literal recurrence) KDA backend runs.
+  kda_gate       the bounded decay gate (K3) or Kimi Linear's softplus gate (unbounded: KDA's
+                 chunked form runs it, not the kernels).
 
 "small": k3_small, each run 2,000 of its steps (a fifth of its own run).
 """
@@ -62,7 +62,7 @@ def get_sweep(arg=None):
           ("aux_loss", {"model.moe.balancing": "aux_loss", "model.moe.aux_loss_weight": 0.01}),
           ("muon_whole_matrix", {"optimizer.muon.per_head": False}),
           ("adamw", {"optimizer.name": "adamw"}),
-          ("softplus_gate", {"model.kda.gate": "softplus", "model.kda.backend": "naive"})]
+          ("softplus_gate", {"model.kda.gate": "softplus"})]
   return {
       "config": v["config"],
       "overrides": v["overrides"],

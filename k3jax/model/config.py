@@ -183,9 +183,9 @@ def _check_kda(k: ml_collections.ConfigDict) -> None:
         f"unknown backend {k.backend!r} (known: {', '.join(KDA_BACKENDS)})")
   check(k.conv_backend in CONV_BACKENDS, "model.kda.conv_backend",
         f"unknown backend {k.conv_backend!r} (known: {', '.join(CONV_BACKENDS)})")
-  check(k.gate == "bounded" or k.backend == "naive", "model.kda.backend",
-        "the chunked form needs the bounded gate (g >= gate_lower_bound); use the 'naive' "
-        "backend with gate='softplus'")
+  check(k.gate == "bounded" or k.backend in ("naive", "chunk", "auto"), "model.kda.backend",
+        f"{k.backend!r} needs the bounded gate (g >= gate_lower_bound); gate='softplus' runs "
+        "on 'chunk', 'naive' or 'auto' (which picks 'chunk' for it)")
   check(k.gate_lower_bound >= -5.0 or k.backend == "naive", "model.kda.gate_lower_bound",
         f"{k.gate_lower_bound} is below -5: 16-token tiles of the chunked form would overflow")
 

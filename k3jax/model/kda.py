@@ -100,7 +100,8 @@ class KDA(nnx.Module):
     beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
     o = kda_ops.kda(q, k, v, self.decay(x), beta, segment_ids=segment_ids,
                     backend=self.backend, chunk_size=self.chunk_size or None,
-                    output_final_state=cache, **where)
+                    output_final_state=cache, bounded_gate=self.gate_kind == "bounded",
+                    **where)
     if cache:
       o, state = o
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(

@@ -13,31 +13,33 @@ __all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", 
            "kda_naive", "kda_pallas"]
 
 # "kernel": Pallas (Triton on GPU, Mosaic on TPU); "interpret": the same kernels in interpret
-# mode; "auto": "kernel" on TPU and GPU, else "chunk".
+# mode; "auto": "kernel" on TPU and GPU, else "chunk" (and "chunk" for an unbounded gate).
 BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
 
 
-def resolve_backend(backend: str, platform: str) -> str:
+def resolve_backend(backend: str, platform: str, bounded_gate: bool = True) -> str:
   """The backend "auto" stands for on platform ("gpu", "tpu", "cpu"); others unchanged."""
   if backend != "auto":
     return backend
-  return "kernel" if platform in ("gpu", "tpu") else "chunk"
+  return "kernel" if platform in ("gpu", "tpu") and bounded_gate else "chunk"
 
 
-def default_chunk_size(backend: str, platform: str) -> int:
+def default_chunk_size(backend: str, platform: str, bounded_gate: bool = True) -> int:
   """The chunk length when none is named: `pallas.default_chunk` for the kernel, else 64."""
-  backend = resolve_backend(backend, platform)
+  backend = resolve_backend(backend, platform, bounded_gate)
   return default_chunk(platform) if backend == "kernel" else 64
 
 
 def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
         segment_ids=None, output_final_state=False, chunk_size=None, sub_chunk_size=16,
-        mesh=None, batch_axis=None, head_axis=None, seq_axis=None, platform=None):
+        mesh=None, batch_axis=None, head_axis=None, seq_axis=None, platform=None,
+        bounded_gate=True):
   """KDA through `backend`. chunk_size None: `default_chunk_size`, halved under seq_axis
   until it divides each device's slice. mesh, batch_axis, head_axis: the kernels run per
   device under `shard_map` (XLA does not partition a Pallas call); seq_axis splits T for
-  every backend (`context.py`). platform: `target_platform`'s. Returns o [B, T, H, V], and
-  the final state [B, H, K, V] if output_final_state."""
+  every backend (`context.py`). platform: `target_platform`'s. bounded_gate: g >=
+  LOWER_BOUND (K3's gate); False (the softplus gate) runs on "chunk" and "naive" only.
+  Returns o [B, T, H, V], and the final state [B, H, K, V] if output_final_state."""
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
   platform = target_platform(mesh, platform)
@@ -45,15 +47,18 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
     raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")
   split = mesh is not None and seq_axis is not None
   if not chunk_size:
-    chunk_size = default_chunk_size(backend, platform)
+    chunk_size = default_chunk_size(backend, platform, bounded_gate)
     while split and chunk_size > 16 and (q.shape[1] // axis_size(mesh, seq_axis)) % chunk_size:
       chunk_size //= 2
-  backend = resolve_backend(backend, platform)
+  backend = resolve_backend(backend, platform, bounded_gate)
+  if not bounded_gate and backend in ("kernel", "interpret"):
+    raise ValueError(f"KDA backend {backend!r} needs the bounded gate (g >= {LOWER_BOUND}); "
+                     "an unbounded (softplus) gate runs on 'chunk' or 'naive'")
   interpret = backend == "interpret"
   kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, interpret=interpret,
                 platform="cpu" if interpret else platform)
   run = {"chunk": functools.partial(kda_chunk, chunk_size=chunk_size,
-                                    sub_chunk_size=sub_chunk_size),
+                                    sub_chunk_size=sub_chunk_size, bounded_gate=bounded_gate),
          "naive": kda_naive}.get(backend, functools.partial(kda_pallas, **kernel))
   if split:
     return kda_context_sharded(functools.partial(run, scale=scale), q, k, v, g, beta,

@@ -5,7 +5,9 @@ Per chunk, with G the cumulative log-decay [C, K] (the UT transform, then the st
     o = (scale Q e^G) S + Tril((scale Q e^G)(K e^-G)^T) (u - w S)
     S <- e^{G_last} S + (K e^{G_last - G})^T (u - w S)
 e^{G_t - G_j} is split into row and column factors per sub-chunk of L tokens (nothing is
-[C, C, K]); they stay within e^{|LOWER_BOUND| (L - 1)} only if LOWER_BOUND <= g <= 0."""
+[C, C, K]); they stay within e^{|LOWER_BOUND| (L - 1)} only if LOWER_BOUND <= g <= 0. An
+unbounded gate (Kimi Linear's softplus, `bounded_gate=False`) takes the diagonal L-blocks
+elementwise instead, e^{G_t - G_j} <= 1 for each pair ([C, L, K] a chunk)."""
 
 from __future__ import annotations
 
@@ -25,14 +27,16 @@ def check_sub_chunk(sub_chunk_size: int):
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-              output_final_state=False, chunk_size=64, sub_chunk_size=16):
-  """`kda_naive`'s contract, any T; LOWER_BOUND <= g <= 0, chunk_size % sub_chunk_size == 0."""
+              output_final_state=False, chunk_size=64, sub_chunk_size=16, bounded_gate=True):
+  """`kda_naive`'s contract, any T; chunk_size % sub_chunk_size == 0. bounded_gate:
+  LOWER_BOUND <= g <= 0 (K3's gate); False: any g <= 0."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   if chunk_size % sub_chunk_size:
     raise ValueError(f"chunk_size={chunk_size} is not a multiple of "
                      f"sub_chunk_size={sub_chunk_size}")
-  check_sub_chunk(sub_chunk_size)
+  if bounded_gate:
+    check_sub_chunk(sub_chunk_size)
   if scale is None:
     scale = K ** -0.5
   out_dtype = q.dtype
@@ -58,7 +62,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
   # a masked sum, not a cumsum: not even rounding noise reaches an earlier document's grads
   G = jnp.matmul(causal.astype(f32), g, precision=_HI)
 
-  A_qk, A_kk = _intra_chunk_scores(scale * q, k, g, G, doc, causal, sub_chunk_size)
+  A_qk, A_kk = _intra_chunk_scores(scale * q, k, g, G, doc, causal, sub_chunk_size,
+                                   bounded_gate)
   A_kk = beta[..., None] * A_kk
 
   # the state entering a chunk belongs to the document of the token before it
@@ -108,9 +113,10 @@ def _masked_exp(x, mask):
   return jnp.exp(jnp.where(mask, x, -jnp.inf))
 
 
-def _intra_chunk_scores(q, k, g, G, doc, causal, L):
+def _intra_chunk_scores(q, k, g, G, doc, causal, L, bounded_gate):
   """A_qk [..., C, C] = sum_c q_tc k_jc e^{G_tc - G_jc} over same-document j <= t; A_kk
-  the same with k for q, j < t. Each L-block is one matmul of row and column factors."""
+  the same with k for q, j < t. Each L-block below the diagonal is one matmul of row and
+  column factors; so are the diagonal ones for a bounded gate, else elementwise."""
   C = q.shape[-2]
   n = C // L
   blocks = lambda y: y.reshape(*y.shape[:-2], n, L, y.shape[-1])
@@ -123,7 +129,7 @@ def _intra_chunk_scores(q, k, g, G, doc, causal, L):
   ref_pos = jnp.maximum(doc_start, pos // L * L)
   span = causal & (pos[None, :] > ref_pos[..., :, None])
   e = jnp.matmul(span.astype(g.dtype), g, precision=_HI)
-  row_diag, k_diag = jnp.exp(e), blocks(k * jnp.exp(-e))
+  row_diag, k_diag = (jnp.exp(e), blocks(k * jnp.exp(-e))) if bounded_gate else (None, None)
   eye_n = jnp.eye(n, dtype=q.dtype)
 
   # below the diagonal: referenced to column block b's last token, so both factors are <= 1
@@ -136,8 +142,19 @@ def _intra_chunk_scores(q, k, g, G, doc, causal, L):
   col_ok = (doc.reshape(*doc.shape[:-1], n, L) == doc_end[..., None])[..., None]
   k_off = blocks(k) * _masked_exp(G_end[..., :, None, :] - blocks(G), col_ok)
 
+  # unbounded gate: e_t - e_s over a diagonal block's same-document pairs s <= t, each <= 0
+  doc_b = blocks(doc[..., None])[..., 0]
+  pair_ok = ((doc_b[..., :, None] == doc_b[..., None, :])
+             & (jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]))[..., None]
+  pair_decay = None if bounded_gate else _masked_exp(
+      blocks(e)[..., :, None, :] - blocks(e)[..., None, :, :], pair_ok)   # [..., n, L, L, K]
+
   def scores(x):
-    diag = jnp.einsum('...ntk,...nsk->...nts', blocks(x * row_diag), k_diag, precision=_HI)
+    if bounded_gate:
+      diag = jnp.einsum('...ntk,...nsk->...nts', blocks(x * row_diag), k_diag, precision=_HI)
+    else:
+      diag = jnp.einsum('...ntk,...nsk,...ntsk->...nts', blocks(x), blocks(k), pair_decay,
+                        precision=_HI)
     diag = jnp.einsum('...ats,ab->...atbs', diag, eye_n)
     off = jnp.einsum('...btk,...bsk->...tbs', x[..., None, :, :] * row_off, k_off,
                      precision=_HI)
