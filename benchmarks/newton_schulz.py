@@ -59,7 +59,6 @@ def paths(shape, variants):
           "pallas iterate=whole bf16x3": dict(whole, iterate_precision="bf16x3"),
           "pallas iterate=whole fp16": dict(whole, iterate_precision="fp16"),
           "pallas iterate=whole fp16 tn128": dict(whole, iterate_precision="fp16", tile_n=128),
-          "pallas iterate=fused fp16": dict(iterate="fused", iterate_precision="fp16"),
           "pallas iterate=kernel fp16": dict(iterate="kernel", iterate_precision="fp16"),
       }.items():
         out[name] = functools.partial(newton_schulz_gpu, **kw)
@@ -100,7 +99,6 @@ def check_kernel():
   ok = True
   fns = {"pallas": functools.partial(newton_schulz, backend="pallas")}
   if jax.default_backend() == "gpu":
-    fns["fused"] = functools.partial(newton_schulz_gpu, iterate="fused")
     fns["whole"] = functools.partial(newton_schulz_gpu, iterate="whole")
   for shape in ((3, 128, 7168), (5, 40, 300), (2, 2, 700, 64), (7, 16, 1000)):
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):

@@ -30,8 +30,6 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 KERNELS = {
     "tpu_interpret": functools.partial(newton_schulz, backend="interpret"),
     "gpu_interpret": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32),
-    "gpu_interpret_fused": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32,
-                                             iterate="fused"),
     "gpu_interpret_whole": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32,
                                              iterate="whole"),
     "gram_xla": functools.partial(newton_schulz, backend="gram_xla"),

@@ -52,7 +52,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
     return jnp.moveaxis(x.reshape(B, N, C, *x.shape[2:]), 3, 1)
 
   q, k, v, g, beta = map(chunked, (q, k, v, g, beta))
-  doc = _document_index(segment_ids, B, T)
+  doc = document_index(segment_ids, B, T)
   doc = jnp.pad(doc, [(0, 0), (0, pad)], mode="edge")
   doc = doc.reshape(B, 1, N, C)
 
@@ -100,7 +100,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=N
   return (o, S) if output_final_state else o
 
 
-def _document_index(segment_ids, B, T):
+def document_index(segment_ids, B, T):
+  """[B, T] int32: each token's document, numbered from 0 along the row (0s without ids)."""
   if segment_ids is None:
     return jnp.zeros((B, T), jnp.int32)
   change = segment_ids[:, 1:] != segment_ids[:, :-1]

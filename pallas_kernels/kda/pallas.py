@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import blocks, chunk_kernels, spans
 from pallas_kernels.kda.blocks import F32
-from pallas_kernels.kda.chunk import check_sub_chunk
+from pallas_kernels.kda.chunk import check_sub_chunk, document_index
 from pallas_kernels.platform import target_platform
 
 # Tuned on the H200 (benchmarks/results/kda.md). block_v=None: the widest of BLOCKS_V
@@ -158,7 +158,7 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   gh = layout(g, Kp - K)
   bh = layout(beta[..., None], 0)
 
-  doc = _document_index(segment_ids, B, T)
+  doc = document_index(segment_ids, B, T)
   doc = jnp.pad(doc, [(0, 0), (0, pad_t)], mode="edge")
   chunked = doc.reshape(B, N, C)
   doc_state = jnp.concatenate([chunked[:, :1, 0], chunked[:, :-1, -1]], axis=1)
@@ -172,14 +172,6 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
     st0 = jnp.swapaxes(jnp.asarray(initial_state, F32), -1, -2)
     st0 = jnp.pad(st0, [(0, 0), (0, 0), (0, Vp - V), (0, Kp - K)])
   return cfg, (qh, kh, vh, gh, bh, st0, doc_c, doc_r, sees, last)
-
-
-def _document_index(segment_ids, B, T):
-  if segment_ids is None:
-    return jnp.zeros((B, T), jnp.int32)
-  change = segment_ids[:, 1:] != segment_ids[:, :-1]
-  return jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
-                          jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
 
 
 def kda_pallas_sharded(q, k, v, g, beta, *, mesh, batch_axis=None, head_axis=None,

@@ -89,10 +89,9 @@ def _whole_kernel(x_ref, o_ref, *, tn, exact, poly):
   _apply_tiles(_apply_operands(q, exact), x_ref, o_ref, tn, exact)
 
 
-def _gram_kernel(x_ref, g_ref, *, tn, exact, poly=None):
-  """g_ref [m, m]: the split's partial Gram matrix, or with `poly` (one split) q."""
-  gram = _gram_tiles(x_ref, 0, x_ref.shape[1] // tn, tn, exact)
-  g_ref[...] = gram if poly is None else poly(gram)
+def _gram_kernel(x_ref, g_ref, *, tn, exact):
+  """g_ref [m, m]: the split's partial Gram matrix."""
+  g_ref[...] = _gram_tiles(x_ref, 0, x_ref.shape[1] // tn, tn, exact)
 
 
 def _poly_kernel(g_ref, q_ref, *, poly):
@@ -187,8 +186,8 @@ def _gpu_apply_tiles(num_blocks, num_tiles, most=4):
 def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False, tile_n=None,
                       splits=None, apply_tiles=None, iterate=None, iterate_precision=None,
                       num_warps=4, num_stages=3, iterate_warps=8):
-  """The Triton kernels, min(m, n) <= GPU_MAX_ROWS. iterate: "whole", "kernel", "fused" or
-  "xla" (fp32's default: Triton's fp32 dots unroll into FMA code too long to compile)."""
+  """The Triton kernels, min(m, n) <= GPU_MAX_ROWS. iterate: "whole", "kernel" or "xla"
+  (fp32's default: Triton's fp32 dots unroll into FMA code too long to compile)."""
   out_dtype, dtype = x.dtype, _compute_dtype(x)
   exact = dtype == _F32
   m, n = sorted(x.shape[-2:])
@@ -203,7 +202,7 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   xb, undo = _as_blocks(x.astype(dtype), m_pad, tn)
   B, _, n_pad = xb.shape
   nt = n_pad // tn
-  splits = 1 if iterate in ("fused", "whole") else splits or _gpu_splits(B, nt)
+  splits = 1 if iterate == "whole" else splits or _gpu_splits(B, nt)
   if nt % splits:
     raise ValueError(f"splits={splits} does not divide the {nt} column tiles")
   params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -235,19 +234,16 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
     return undo(out).astype(out_dtype)
 
   partial = pl.pallas_call(
-      functools.partial(_gram_kernel, tn=tn, exact=exact,
-                        poly=poly if iterate == "fused" else None),
+      functools.partial(_gram_kernel, tn=tn, exact=exact),
       grid=(B, splits),
       in_specs=[pl.BlockSpec((None, m_pad, cols), lambda b, s: (b, 0, s))],
       out_specs=pl.BlockSpec((None, None, m_pad, m_pad), lambda b, s: (b, s, 0, 0)),
       out_shape=_out_struct((B, splits, m_pad, m_pad), _F32, xb),
-      compiler_params=iterate_params if iterate == "fused" else params,
+      compiler_params=params,
       interpret=interpret,
   )(xb)
 
-  if iterate == "fused":
-    q = partial[:, 0]
-  elif iterate == "kernel":
+  if iterate == "kernel":
     q = pl.pallas_call(
         functools.partial(_poly_kernel, poly=poly),
         grid=(B,),
@@ -260,7 +256,7 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   elif iterate == "xla":
     q = jax.vmap(poly)(jnp.sum(partial, axis=1))
   else:
-    raise ValueError(f"iterate={iterate!r}: choose 'xla', 'kernel', 'fused' or 'whole'")
+    raise ValueError(f"iterate={iterate!r}: choose 'xla', 'kernel' or 'whole'")
 
   apply_tiles = apply_tiles or _gpu_apply_tiles(B, nt)
   if nt % apply_tiles:
