@@ -3,7 +3,7 @@
   python -m k3jax.train --config=experiments/k3_tiny.py --workdir=/tmp/k3_tiny
   python -m k3jax.train --config=experiments/k3_tiny.py --workdir=/tmp/x --config.train.steps=50
 
-Rerunning with the workdir resumes bit-exactly; SIGTERM saves after the current step;
+Rerunning with the workdir resumes bit-exactly; SIGTERM or Ctrl-C saves after the current step;
 non-finite steps are skipped (`train.max_bad_steps`). Multi-process: parallel/distributed.py."""
 
 from __future__ import annotations
@@ -70,14 +70,16 @@ class Heartbeat:
 
 
 class Preemption:
-  """SIGTERM: checkpoint at the end of the current step and exit; before `arm()`, exit at
-  once (a wakeup-fd watcher thread, since handlers wait out long XLA calls). Several
-  processes stop after the same step through jax.distributed's preemption service."""
+  """SIGTERM or Ctrl-C: checkpoint at the end of the current step and exit; before `arm()`,
+  or at a second Ctrl-C, exit at once (a wakeup-fd watcher thread, since handlers wait out
+  long XLA calls). Several processes stop after the same step through jax.distributed's
+  preemption service."""
 
   def __init__(self):
-    self.signalled, self.armed, self._previous = False, False, None
+    self.signalled, self.armed, self.interrupted, self._previous = False, False, False, None
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      self._previous = (signal.signal(signal.SIGTERM, self._handle),
+                        signal.signal(signal.SIGINT, self._handle))
       self._socks = socket.socketpair()
       self._socks[1].setblocking(False)
       self._old_wakeup = signal.set_wakeup_fd(self._socks[1].fileno(),
@@ -96,10 +98,21 @@ class Preemption:
         return
       if not got:
         return
-      if signal.SIGTERM in got and not self.armed:
-        print("SIGTERM before the first step of this run: nothing new to save; exiting",
-              file=sys.stderr, flush=True)
-        os._exit(128 + signal.SIGTERM)
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        if signum not in got:
+          continue
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        if not self.armed:
+          print(f"{name} before the first step of this run: nothing new to save; exiting",
+                file=sys.stderr, flush=True)
+          os._exit(128 + signum)
+        if signum == signal.SIGINT and self.interrupted:
+          print("Ctrl-C again: exiting without saving", file=sys.stderr, flush=True)
+          os._exit(128 + signum)
+        if signum == signal.SIGINT:
+          self.interrupted = True
+          print("Ctrl-C: saving after this step, then exiting (Ctrl-C again: exit now)",
+                file=sys.stderr, flush=True)
 
   def arm(self):
     """From now on SIGTERM waits for the end of the current step (and its checkpoint)."""
@@ -113,7 +126,8 @@ class Preemption:
   def close(self):
     if self._previous is not None:
       signal.set_wakeup_fd(self._old_wakeup)
-      signal.signal(signal.SIGTERM, self._previous)
+      signal.signal(signal.SIGTERM, self._previous[0])
+      signal.signal(signal.SIGINT, self._previous[1])
       self._previous = None
       for sock in self._socks:
         sock.close()

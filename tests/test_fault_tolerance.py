@@ -335,6 +335,41 @@ def test_sigterm_during_the_first_compile_exits_within_seconds(tmp_path, micro):
   assert not os.path.exists(tmp_path / "run" / "checkpoints" / "1")
 
 
+CTRL_C = """
+import os, signal, time
+from k3jax.train import Preemption
+p = Preemption()
+os.kill(os.getpid(), signal.SIGINT)     # during a step: noted, the step goes on
+time.sleep(0.5)
+p.arm()
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.5)
+print("stop after this step:", p.signalled, flush=True)
+os.kill(os.getpid(), signal.SIGINT)     # again: out at once
+time.sleep(5)
+print("still running")
+"""
+
+
+def test_ctrl_c_stops_after_the_step_and_twice_at_once():
+  """Ctrl-C is a user's SIGTERM: before the first step it exits at once; during training the
+  first stops the run after the current step (its checkpoint saved), a second exits
+  without saving; short messages, no traceback."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  before = subprocess.run([sys.executable, "-c", CTRL_C.replace("p.arm()", "")], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=fault_injection.REPO)
+  assert before.returncode == 128 + signal.SIGINT, before.stderr[-2000:]
+  assert "Ctrl-C before the first step of this run: nothing new to save" in before.stderr
+  run = subprocess.run([sys.executable, "-c", CTRL_C.replace(
+      "os.kill(os.getpid(), signal.SIGINT)     # during a step: noted, the step goes on", "")],
+      env=env, capture_output=True, text=True, timeout=60, cwd=fault_injection.REPO)
+  assert run.returncode == 128 + signal.SIGINT, run.stderr[-2000:]
+  assert "stop after this step: True" in run.stdout and "still running" not in run.stdout
+  assert "Ctrl-C: saving after this step" in run.stderr
+  assert "Ctrl-C again: exiting without saving" in run.stderr
+  assert "Traceback" not in run.stderr + before.stderr
+
+
 @pytest.mark.slow
 def test_kill9_again_and_again_equals_uninterrupted(tmp_path, micro):
   """The headline: 5 SIGKILLs at random steps (one mid-save), the same command rerun each
