@@ -111,9 +111,7 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   def loss_and_grads(params, rest, batch):
     """(LM loss, balancing loss, aux, grads) of the batch, by microbatches."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    computed = params
-    if views is not None:
-      computed = apply_views(params, views)
+    computed = params if views is None else apply_views(params, views)
 
     def in_param_dtypes(grads):  # a cast's transpose: what the model's own cast would pass
       return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)

@@ -183,6 +183,31 @@ def _gpu_apply_tiles(num_blocks, num_tiles, most=4):
   return max(fits, default=1)
 
 
+def _iterate_dot(iterate_precision, exact: bool):
+  """The Gram iteration's matmul: operands cast to a dtype, or at a lax precision."""
+  if iterate_precision is None or iterate_precision in GPU_ITERATE:
+    iterate_precision = _HI if exact else GPU_ITERATE[iterate_precision or "fp16"]
+  if isinstance(iterate_precision, type):
+    operand = iterate_precision
+    return lambda u, v: jnp.matmul(u.astype(operand), v.astype(operand),
+                                   preferred_element_type=_F32)
+  return lambda u, v: jnp.matmul(u, v, precision=iterate_precision, preferred_element_type=_F32)
+
+
+def _whole_call(xb, poly, tn, exact, params, interpret):
+  """One program a block [m_pad, n_pad] of xb [B, m_pad, n_pad]: Gram, iteration, apply."""
+  spec = pl.BlockSpec((None, *xb.shape[1:]), lambda b: (b, 0, 0))
+  return pl.pallas_call(
+      functools.partial(_whole_kernel, tn=tn, exact=exact, poly=poly),
+      grid=(xb.shape[0],),
+      in_specs=[spec],
+      out_specs=spec,
+      out_shape=_out_struct(xb.shape, xb.dtype, xb),
+      compiler_params=params,
+      interpret=interpret,
+  )(xb)
+
+
 def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False, tile_n=None,
                       splits=None, apply_tiles=None, iterate=None, iterate_precision=None,
                       num_warps=4, num_stages=3, iterate_warps=8):
@@ -197,6 +222,8 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   if iterate is None:
     blocks = math.prod(x.shape[:-2])
     iterate = "xla" if exact else "whole" if blocks >= WHOLE_MIN_BLOCKS else "kernel"
+  if iterate not in ("whole", "kernel", "xla"):
+    raise ValueError(f"iterate={iterate!r}: choose 'xla', 'kernel' or 'whole'")
   m_pad = max(16, 1 << (m - 1).bit_length())
   tn = tile_n or (64 if exact else 256 if iterate == "whole" else 128)
   xb, undo = _as_blocks(x.astype(dtype), m_pad, tn)
@@ -208,30 +235,12 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
   params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   cols = nt // splits * tn
 
-  if iterate_precision is None or iterate_precision in GPU_ITERATE:
-    iterate_precision = _HI if exact else GPU_ITERATE[iterate_precision or "fp16"]
-  if isinstance(iterate_precision, type):
-    operand = iterate_precision
-    dot = lambda u, v: jnp.matmul(u.astype(operand), v.astype(operand),
-                                  preferred_element_type=_F32)
-  else:
-    dot = lambda u, v: jnp.matmul(u, v, precision=iterate_precision,
-                                  preferred_element_type=_F32)
-  poly = functools.partial(gram_matrix_polynomial, steps=steps, coeffs=coeffs, eps=eps, dot=dot)
+  poly = functools.partial(gram_matrix_polynomial, steps=steps, coeffs=coeffs, eps=eps,
+                           dot=_iterate_dot(iterate_precision, exact))
   iterate_params = pltriton.CompilerParams(num_warps=iterate_warps, num_stages=num_stages)
 
   if iterate == "whole":
-    spec = pl.BlockSpec((None, m_pad, n_pad), lambda b: (b, 0, 0))
-    out = pl.pallas_call(
-        functools.partial(_whole_kernel, tn=tn, exact=exact, poly=poly),
-        grid=(B,),
-        in_specs=[spec],
-        out_specs=spec,
-        out_shape=_out_struct(xb.shape, dtype, xb),
-        compiler_params=iterate_params,
-        interpret=interpret,
-    )(xb)
-    return undo(out).astype(out_dtype)
+    return undo(_whole_call(xb, poly, tn, exact, iterate_params, interpret)).astype(out_dtype)
 
   partial = pl.pallas_call(
       functools.partial(_gram_kernel, tn=tn, exact=exact),
@@ -253,10 +262,8 @@ def newton_schulz_gpu(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, interpret=False
         compiler_params=iterate_params,
         interpret=interpret,
     )(partial)
-  elif iterate == "xla":
-    q = jax.vmap(poly)(jnp.sum(partial, axis=1))
   else:
-    raise ValueError(f"iterate={iterate!r}: choose 'xla', 'kernel' or 'whole'")
+    q = jax.vmap(poly)(jnp.sum(partial, axis=1))
 
   apply_tiles = apply_tiles or _gpu_apply_tiles(B, nt)
   if nt % apply_tiles:
