@@ -50,6 +50,21 @@ def check_ws(lhs, rhs, blocks=WS_BLOCKS):
                        f"a multiple of {what}={tile}")
 
 
+def _store_rows(tile_smem, out_ref, start, size, row_base, col, width, max_rows):
+  """The tile's rows [start, start + size) of tile_smem [rows, width] to out_ref at
+  (row_base + row, col), as copies of power-of-two row counts (size's binary digits)."""
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
+  row, j = start, 1 << (max_rows.bit_length() - 1)
+  while j:
+    @pl.when(size & j != 0)
+    def _(row=row, j=j):
+      plgpu.copy_smem_to_gmem(tile_smem.at[pl.ds(row, j)],
+                              out_ref.at[pl.ds(row_base + row, j), pl.ds(col, width)])
+    row = row + (size & j)
+    j //= 2
+
+
 def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpret=False,
            num_sms=None):
   """As `gmm`; blocks.chain: one pipeline across tiles (START / STEADY / STOP)."""
@@ -105,16 +120,8 @@ def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpr
           return acc_ref
 
         def store(e):
-          row, j = start, 1 << (min(bm, m).bit_length() - 1)
-          while j:
-            @pl.when(size & j != 0)
-            def _():
-              plgpu.copy_smem_to_gmem(
-                  out_smem.at[wg, pl.ds(row, j)],
-                  out_ref.at[pl.ds(block * bm + row, j),
-                             pl.ds(ni * 2 * bn + wg * bn + e * epi, epi)])
-            row = row + (size & j)
-            j //= 2
+          _store_rows(out_smem.at[wg], out_ref, start, size, block * bm,
+                      ni * 2 * bn + wg * bn + e * epi, epi, min(bm, m))
 
         compute_context = _ws_compute_context(bm, bn, epi, out_smem, wg, store)
 
