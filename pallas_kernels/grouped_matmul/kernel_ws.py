@@ -50,8 +50,8 @@ def check_ws(lhs, rhs, blocks=WS_BLOCKS):
                        f"a multiple of {what}={tile}")
 
 
-def _store_rows(tile_smem, out_ref, start, size, row_base, col, width, max_rows):
-  """The tile's rows [start, start + size) of tile_smem [rows, width] to out_ref at
+def _store_rows(out_smem, wg, out_ref, start, size, row_base, col, width, max_rows):
+  """Rows [start, start + size) of warpgroup wg's out_smem [wg, rows, width] to out_ref at
   (row_base + row, col), as copies of power-of-two row counts (size's binary digits)."""
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
@@ -59,7 +59,7 @@ def _store_rows(tile_smem, out_ref, start, size, row_base, col, width, max_rows)
   while j:
     @pl.when(size & j != 0)
     def _(row=row, j=j):
-      plgpu.copy_smem_to_gmem(tile_smem.at[pl.ds(row, j)],
+      plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(row, j)],
                               out_ref.at[pl.ds(row_base + row, j), pl.ds(col, width)])
     row = row + (size & j)
     j //= 2
@@ -120,7 +120,7 @@ def gmm_ws(lhs, rhs, group_sizes, transpose_rhs=False, blocks=WS_BLOCKS, interpr
           return acc_ref
 
         def store(e):
-          _store_rows(out_smem.at[wg], out_ref, start, size, block * bm,
+          _store_rows(out_smem, wg, out_ref, start, size, block * bm,
                       ni * 2 * bn + wg * bn + e * epi, epi, min(bm, m))
 
         compute_context = _ws_compute_context(bm, bn, epi, out_smem, wg, store)
