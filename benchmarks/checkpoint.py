@@ -137,10 +137,9 @@ def cpu_seconds() -> float:
   return r.ru_utime + r.ru_stime
 
 
-def measure(args, root, state, abstract, size, step_fn, x, dd_write, dd_read, name,
-            compress):
-  """(write rows, read rows, notes) of one storage variant: sync saves, cold and warm
-  restores, and the step time with an async save in flight."""
+def sync_reps(args, root, state, abstract, size, name, compress):
+  """args.reps sync saves, each restored cold and warm: (save, +sync, cold, warm MB/s,
+  CPU-s/GiB of save and restore, checksum (seconds, save or restore seconds), bytes on disk)."""
   gib = size / 2**30
   saves, synced, colds, warms, cpu_save, cpu_restore = [], [], [], [], [], []
   sum_save, sum_restore = [], []   # (checksum seconds, save or restore seconds)
@@ -188,10 +187,15 @@ def measure(args, root, state, abstract, size, step_fn, x, dd_write, dd_read, na
             f"({sum_restore[-1][0] / sum_restore[-1][1]:.1%} of the cold restore); "
             f"{on_disk / 2**30:.2f} GiB on disk; loadavg {uptime()}", flush=True)
   shutil.rmtree(work)
+  return saves, synced, colds, warms, cpu_save, cpu_restore, sum_save, sum_restore, on_disk
 
+
+def async_rounds(root, state, step_fn, x, name, compress, rounds):
+  """Steps run while async saves write: (step ms before, after, during; save() blocked s;
+  save in flight s)."""
   base_before = time_steps(step_fn, x, 10)
   work = os.path.join(root, "async")
-  inflight, blocked, save_secs, rounds = [], [], [], 3
+  inflight, blocked, save_secs = [], [], []
   with Checkpointer(work, keep=1, async_save=True, compress=compress) as ckpt:
     for r in range(rounds):
       t0 = time.perf_counter()
@@ -210,6 +214,18 @@ def measure(args, root, state, abstract, size, step_fn, x, dd_write, dd_read, na
       time_steps(step_fn, x, 3)
   base_after = time_steps(step_fn, x, 10)
   shutil.rmtree(work)
+  return base_before, base_after, inflight, blocked, save_secs
+
+
+def measure(args, root, state, abstract, size, step_fn, x, dd_write, dd_read, name,
+            compress):
+  """(write rows, read rows, notes) of one storage variant: sync saves, cold and warm
+  restores, and the step time with an async save in flight."""
+  (saves, synced, colds, warms, cpu_save, cpu_restore, sum_save, sum_restore,
+   on_disk) = sync_reps(args, root, state, abstract, size, name, compress)
+  rounds = 3
+  base_before, base_after, inflight, blocked, save_secs = async_rounds(
+      root, state, step_fn, x, name, compress, rounds)
   base = float(np.median(base_before + base_after))
   during = float(np.median(inflight)) if inflight else float("nan")
   overlap = len(inflight) / rounds
