@@ -9,12 +9,14 @@ from pallas_kernels.kda.pallas import default_chunk, kda_pallas, kda_pallas_shar
 from pallas_kernels.platform import target_platform
 from pallas_kernels.shard_types import axis_size
 
-__all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda", "kda_chunk", "kda_context",
-           "kda_naive", "kda_pallas"]
+__all__ = ["BACKENDS", "BOUNDED_GATE_ONLY", "LOWER_BOUND", "default_chunk_size", "kda",
+           "kda_chunk", "kda_context", "kda_naive", "kda_pallas", "resolve_backend"]
 
 # "kernel": Pallas (Triton on GPU, Mosaic on TPU); "interpret": the same kernels in interpret
 # mode; "auto": "kernel" on TPU and GPU, else "chunk" (and "chunk" for an unbounded gate).
 BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
+# the kernels factor each tile's decays, which needs g >= LOWER_BOUND
+BOUNDED_GATE_ONLY = ("kernel", "interpret")
 
 
 def resolve_backend(backend: str, platform: str, bounded_gate: bool = True) -> str:
@@ -51,7 +53,7 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
     while split and chunk_size > 16 and (q.shape[1] // axis_size(mesh, seq_axis)) % chunk_size:
       chunk_size //= 2
   backend = resolve_backend(backend, platform, bounded_gate)
-  if not bounded_gate and backend in ("kernel", "interpret"):
+  if not bounded_gate and backend in BOUNDED_GATE_ONLY:
     raise ValueError(f"KDA backend {backend!r} needs the bounded gate (g >= {LOWER_BOUND}); "
                      "an unbounded (softplus) gate runs on 'chunk' or 'naive'")
   interpret = backend == "interpret"

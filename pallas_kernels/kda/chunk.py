@@ -140,15 +140,15 @@ def _intra_chunk_scores(q, k, g, G, doc, causal, L, bounded_gate):
   row_ok = after_block & (doc[..., None, :] == doc_end[..., :, None])
   row_off = _masked_exp(G[..., None, :, :] - G_end[..., :, None, :],
                         row_ok[..., None])
-  col_ok = (doc.reshape(*doc.shape[:-1], n, L) == doc_end[..., None])[..., None]
+  doc_blocks = doc.reshape(*doc.shape[:-1], n, L)
+  col_ok = (doc_blocks == doc_end[..., None])[..., None]
   k_off = blocks(k) * _masked_exp(G_end[..., :, None, :] - blocks(G), col_ok)
 
-  # unbounded gate: e_t - e_s over a diagonal block's same-document pairs s <= t, each <= 0
-  doc_b = blocks(doc[..., None])[..., 0]
-  pair_ok = ((doc_b[..., :, None] == doc_b[..., None, :])
-             & (jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]))[..., None]
-  pair_decay = None if bounded_gate else _masked_exp(
-      blocks(e)[..., :, None, :] - blocks(e)[..., None, :, :], pair_ok)   # [..., n, L, L, K]
+  if not bounded_gate:  # e_t - e_s over a diagonal block's same-document pairs s <= t: <= 0
+    pair_ok = ((doc_blocks[..., :, None] == doc_blocks[..., None, :])
+               & (jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]))[..., None]
+    pair_decay = _masked_exp(blocks(e)[..., :, None, :] - blocks(e)[..., None, :, :],
+                             pair_ok)                                   # [..., n, L, L, K]
 
   def scores(x):
     if bounded_gate:
