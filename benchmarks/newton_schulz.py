@@ -6,11 +6,11 @@ form's FLOPs (the ANCHORS convention), the bandwidth of one read and one write o
 least traffic any path can have), and each path's relative Frobenius error against the
 float32 reference (`newton_schulz_reference`) on the same bf16 input.
 
-Paths: "auto" (what `newton_schulz` picks), "xla" (the standard form in bf16, as optax runs
-it; each matmul accumulates in float32), "optax" (`optax.contrib`'s
-`orthogonalize_via_newton_schulz`, the head axis a batch axis), "gram_xla" (the Gram form in
-plain XLA) and, with --variants, tuning variants of the GPU kernel. For short-wide blocks
-"auto" is our kernel; for the others it is "xla".
+Paths, by `newton_schulz` backend: "auto" (what it picks), "reference" (the standard form in
+bf16, as optax runs it; each matmul accumulates in float32), "gram_reference" (the Gram form
+in plain XLA); "optax" (`optax.contrib`'s `orthogonalize_via_newton_schulz`, the head axis a
+batch axis) and, with --variants, tuning variants of the GPU kernel. For short-wide blocks
+"auto" is our kernel; for the others it is "reference".
 
 Run on the H200 (--check first compares the forced kernel with the reference on odd shapes,
 float32 and bf16; --variants adds kernel tuning variants for the per-head shape):
@@ -46,20 +46,20 @@ def optax_ns(x):
 def paths(shape, variants):
   """name -> function of x [B, m, n]."""
   out = {
-      "xla": functools.partial(newton_schulz, backend="xla"),
+      "reference": functools.partial(newton_schulz, backend="reference"),
       "auto": functools.partial(newton_schulz, backend="auto"),
       "optax": optax_ns,
   }
-  if min(shape[1:]) <= 128:  # (the Gram form in XLA is 2-4x slower than XLA for the others)
-    out["gram_xla"] = functools.partial(newton_schulz, backend="gram_xla")
+  if min(shape[1:]) <= 128:  # (for the others the Gram form in XLA is the slower one)
+    out["gram_reference"] = functools.partial(newton_schulz, backend="gram_reference")
     if variants:
       whole = dict(iterate="whole")
       for name, kw in {
-          "pallas iterate=whole tf32": dict(whole, iterate_precision=jax.lax.Precision.DEFAULT),
-          "pallas iterate=whole bf16x3": dict(whole, iterate_precision="bf16x3"),
-          "pallas iterate=whole fp16": dict(whole, iterate_precision="fp16"),
-          "pallas iterate=whole fp16 tn128": dict(whole, iterate_precision="fp16", tile_n=128),
-          "pallas iterate=kernel fp16": dict(iterate="kernel", iterate_precision="fp16"),
+          "gpu iterate=whole tf32": dict(whole, iterate_precision=jax.lax.Precision.DEFAULT),
+          "gpu iterate=whole bf16x3": dict(whole, iterate_precision="bf16x3"),
+          "gpu iterate=whole fp16": dict(whole, iterate_precision="fp16"),
+          "gpu iterate=whole fp16 tn128": dict(whole, iterate_precision="fp16", tile_n=128),
+          "gpu iterate=kernel fp16": dict(iterate="kernel", iterate_precision="fp16"),
       }.items():
         out[name] = functools.partial(newton_schulz_gpu, **kw)
   return out
@@ -97,7 +97,7 @@ def check_kernel():
   ragged batch counts, m > n, n off the tile); prints the worst errors and returns True if
   every one is under the tests' tolerances (1e-5 float32, 1e-2 bf16)."""
   ok = True
-  fns = {"pallas": functools.partial(newton_schulz, backend="pallas")}
+  fns = {"kernel": functools.partial(newton_schulz, backend="kernel")}
   if jax.default_backend() == "gpu":
     fns["whole"] = functools.partial(newton_schulz_gpu, iterate="whole")
   for shape in ((3, 128, 7168), (5, 40, 300), (2, 2, 700, 64), (7, 16, 1000)):
@@ -105,7 +105,7 @@ def check_kernel():
       x = jax.random.normal(jax.random.key(len(shape) + shape[-1]), shape, dtype)
       ref = newton_schulz_reference(x)
       for name, f in fns.items():
-        if name != "pallas" and dtype == jnp.float32:
+        if name != "kernel" and dtype == jnp.float32:
           continue  # forced Triton iteration in float32: IEEE dots, minutes of compile
         out = jax.jit(f)(x)
         err = rel(out, ref)
@@ -177,7 +177,7 @@ def main():
            f"jax {jax.__version__}. Median of 7 groups of back-to-back calls over rotated "
            "inputs. TFLOP/s: standard-form FLOPs / time; GB/s: (read x + write x) / time. "
            "err: relative Frobenius error vs the float32 reference on the same input.", "",
-           "| batch x (m x n) | path | median ms (min-max) | vs xla | TFLOP/s | GB/s | err |",
+           "| batch x (m x n) | path | median ms (min-max) | vs reference | TFLOP/s | GB/s | err |",
            "|---|---|---|---|---|---|---|"]
   for spec in args.shapes:
     B, m, n = map(int, spec.split(","))
@@ -201,7 +201,7 @@ def main():
         print(f"  {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         lines.append(f"| {B} x ({m} x {n}) | {name} | failed: {type(e).__name__} | | | | |")
         continue
-      if name == "xla":
+      if name == "reference":
         base = med
       speed = f"{base / med:.2f}x" if base else ""
       row = (f"| {B} x ({m} x {n}) | {name} | {med:.3f} ({lo:.3f}-{hi:.3f}) | {speed} | "

@@ -43,7 +43,7 @@ from k3jax import flops
 from k3jax.optim import muon
 from pallas_kernels.newton_schulz import newton_schulz
 
-_VARIANTS = flags.DEFINE_list("variants", ["muon:auto", "muon:xla", "adamw"],
+_VARIANTS = flags.DEFINE_list("variants", ["muon:auto", "muon:reference", "adamw"],
                               "optimizer steps to time: muon:<ns_backend> or adamw")
 _REPS = flags.DEFINE_integer("reps", 10, "timed repetitions (after 2 warm-up runs)")
 _DEVICES = flags.DEFINE_integer("devices", 1, "devices of the train step's mesh (config.mesh "

@@ -44,7 +44,7 @@ def _cfg(*, per_head=True, router="adamw"):
   o = c.optimizer
   o.name, o.learning_rate, o.warmup_steps, o.weight_decay, o.eps = "muon", LR, 0, WD, EPS
   o.muon.per_head, o.muon.router = per_head, router
-  o.muon.ns_dtype, o.muon.ns_backend, o.muon.ns_eps = "float32", "xla", EPS
+  o.muon.ns_dtype, o.muon.ns_backend, o.muon.ns_eps = "float32", "reference", EPS
   c.train.grad_clip_norm = 0.0
   return c
 
@@ -191,7 +191,7 @@ def _sharded_update(var, sharding, backend):
   return compiled.as_text(), sharded, plain
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_sharded_heads_are_orthogonalized_in_place(backend):
   """Per-head blocks sharded over 8 devices along the head axis: the compiled update has
   no all-gather and equals the unsharded one, with XLA's Newton-Schulz (partitioned by
@@ -207,7 +207,7 @@ def test_sharded_heads_are_orthogonalized_in_place(backend):
   assert _rel(sharded, plain) < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
 def test_fsdp_split_blocks_are_orthogonalized_once(backend):
   """An expert stack [experts, in, out] sharded over expert=2 and, inside each block, over
   fsdp=4 (fan-in): the compiled update regroups whole blocks by all-to-all, so that each
@@ -236,4 +236,13 @@ def test_bad_muon_settings_are_named(field, value):
   c = base_config()
   setattr(c.optimizer.muon, field, value)
   with pytest.raises(ConfigError, match=f"config.optimizer.muon.{field}"):
+    validate(c)
+
+
+@pytest.mark.parametrize("old,new", [("xla", "reference"), ("gram_xla", "gram_reference"),
+                                     ("pallas", "kernel")])
+def test_old_ns_backend_names_are_told_the_new_ones(old, new):
+  c = base_config()
+  c.optimizer.muon.ns_backend = old
+  with pytest.raises(ConfigError, match=f"ns_backend: '{old}' was renamed '{new}'"):
     validate(c)

@@ -32,7 +32,7 @@ KERNELS = {
     "gpu_interpret": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32),
     "gpu_interpret_whole": functools.partial(newton_schulz_gpu, interpret=True, tile_n=32,
                                              iterate="whole"),
-    "gram_xla": functools.partial(newton_schulz, backend="gram_xla"),
+    "gram_reference": functools.partial(newton_schulz, backend="gram_reference"),
 }
 # Ragged batch counts, n off every tile, m > n (transposed inside), two leading dims.
 SHAPES = [(3, 16, 200), (2, 3, 100, 24)]
@@ -143,19 +143,22 @@ def test_zero_block_stays_finite():
 
 
 def test_dispatch():
-  """The auto rule; on CPU "auto" and "xla" are the standard form (the reference for
-  float32); "pallas" on CPU interprets the TPU kernel."""
+  """The auto rule; on CPU "auto" and "reference" are the standard form (the oracle for
+  float32); "kernel" on CPU interprets the TPU kernel; an old name is told its new one."""
   assert uses_gram_kernel((128, 7168)) and uses_gram_kernel((7168, 128))
   assert not uses_gram_kernel((1536, 2048)) and not uses_gram_kernel((4096, 16384))
   assert not uses_gram_kernel((128, 256))  # not wide enough to pay
   x = blocks(4, (2, 16, 80))
   ref = reference(x)
-  np.testing.assert_array_equal(jax.jit(functools.partial(newton_schulz, backend="xla"))(x), ref)
+  standard = jax.jit(functools.partial(newton_schulz, backend="reference"))
+  np.testing.assert_array_equal(standard(x), ref)
   cpu_auto = jax.jit(newton_schulz).lower(x).as_text()  # 3 matmuls per step, no kernel
   assert cpu_auto.count("dot_general") == 3 * 5 and "custom_call" not in cpu_auto
-  assert rel(newton_schulz(x, backend="pallas"), ref) < RTOL_FP32
+  assert rel(newton_schulz(x, backend="kernel"), ref) < RTOL_FP32
   with pytest.raises(ValueError, match="unknown Newton-Schulz backend"):
     newton_schulz(x, backend="cuda")
+  with pytest.raises(ValueError, match="'pallas' was renamed 'kernel'"):
+    newton_schulz(x, backend="pallas")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ml_collections
 
-from k3jax.config_error import check
+from k3jax.config_error import check, check_backend
 from k3jax.optim import OPTIMIZERS
 from pallas_kernels.newton_schulz import BACKENDS as NS_BACKENDS
 from pallas_kernels.newton_schulz import GPU_ITERATE
+from pallas_kernels.newton_schulz import RENAMED as NS_RENAMED
 
 NS_DTYPES = ("float32", "bfloat16")  # optimizer.muon.ns_dtype
 
@@ -32,7 +33,7 @@ def optimizer_config() -> ml_collections.ConfigDict:
   u.ns_coeffs = (3.4445, -4.7750, 2.0315)
   u.ns_eps = 1e-7        # Newton-Schulz input: X / (||X||_F + ns_eps)
   u.ns_dtype = "bfloat16"  # Newton-Schulz operands (accumulation is fp32)
-  u.ns_backend = "auto"  # pallas_kernels.newton_schulz backend
+  u.ns_backend = "auto"  # pallas_kernels.newton_schulz BACKENDS
   # GPU bf16 iteration: "fp16" (faster) or "bf16x3" (closer to fp32; newton_schulz.md)
   u.ns_gpu_iterate = "fp16"
   u.rms_scale = 0.2      # update = rms_scale * sqrt(max(fan_in, fan_out)) * NS(momentum)
@@ -54,7 +55,6 @@ def validate_optimizer(o: ml_collections.ConfigDict) -> None:
   check(len(u.ns_coeffs) == 3, "optimizer.muon.ns_coeffs", "must be 3 numbers (a, b, c)")
   check(u.ns_dtype in NS_DTYPES, "optimizer.muon.ns_dtype", f"must be one of {NS_DTYPES}")
   check(0 <= u.momentum < 1, "optimizer.muon.momentum", "must be in [0, 1)")
-  check(u.ns_backend in NS_BACKENDS, "optimizer.muon.ns_backend",
-        f"unknown backend {u.ns_backend!r} (known: {', '.join(NS_BACKENDS)})")
+  check_backend("optimizer.muon.ns_backend", u.ns_backend, NS_BACKENDS, NS_RENAMED)
   check(u.ns_gpu_iterate in GPU_ITERATE, "optimizer.muon.ns_gpu_iterate",
         f"must be one of {', '.join(GPU_ITERATE)}, got {u.ns_gpu_iterate!r}")
