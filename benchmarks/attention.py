@@ -6,9 +6,9 @@ logit, timed per shape.
 Per shape (B rows of T tokens; 16 heads, Dqk 192, Dv 128: k3_small's MLA), bf16, causal,
 and per --documents: 1 (each row one document, 1/16 padding at the end) or 2 (a third and
 the rest, then the padding). Backends:
-  cuda     `flash_cuda`, the GPU flash path: cuDNN unpacked (1) or packed (2)
-  triton   `flash_gpu`, JAX's Triton `mha` (v padded to Dqk, head dims to 256)
-  dense    `attention_reference` ([B, H, T, T] fp32 scores; T <= --dense_max)
+  cuda      `flash_cuda`, the GPU flash path: cuDNN unpacked (1) or packed (2)
+  triton    `flash_gpu`, JAX's Triton `mha` (v padded to Dqk, head dims to 256)
+  reference `attention_reference` ([B, H, T, T] fp32 scores; T <= --reference_max)
 and for the max logit: `max_logit_gpu` (Triton) and `max_logit` (the JAX tile loop).
 TFLOP/s count the causal work inside the documents: forward 2 (Dqk + Dv) per seen pair,
 forward + backward 3.5x that; the max logit 2 Dqk. Prints one JSON line per measurement.
@@ -54,8 +54,8 @@ def kernels(ids, scale):
   return {
       "cuda": lambda q, k, v: flash_cuda(q, k, v, unique, scale=scale, causal=True),
       "triton": lambda q, k, v: flash_gpu(q, k, v, unique, scale=scale, causal=True),
-      "dense": lambda q, k, v: attention_reference(f32(q), f32(k), f32(v), ids, scale=scale,
-                                                   causal=True)[0].astype(v.dtype),
+      "reference": lambda q, k, v: attention_reference(f32(q), f32(k), f32(v), ids,
+                                                       scale=scale, causal=True)[0].astype(v.dtype),
   }
 
 
@@ -63,8 +63,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="+", default=["1,4096", "2,32768"])
   parser.add_argument("--documents", nargs="+", type=int, default=[1, 2])
-  parser.add_argument("--backends", default="cuda,triton,dense")
-  parser.add_argument("--dense_max", type=int, default=8192)
+  parser.add_argument("--backends", default="cuda,triton,reference")
+  parser.add_argument("--reference_max", type=int, default=8192)
   parser.add_argument("--triton_max", type=int, default=32768)
   parser.add_argument("--logit_configs", nargs="*",
                       default=["128,64,8,2", "128,64,4,3", "128,32,4,2", "256,64,8,2"],
@@ -80,7 +80,8 @@ def main():
     fwd_flops = 2 * (DQK + DV) * pairs
     row = {"B": b, "T": t, "documents": documents}
     for name, fn in kernels(ids, scale).items():
-      if name not in args.backends.split(",") or (name == "dense" and t > args.dense_max) or (
+      if name not in args.backends.split(",") or (
+          name == "reference" and t > args.reference_max) or (
           name == "triton" and t > args.triton_max):
         continue
       def fwd_bwd(q, k, v, do, fn=fn):

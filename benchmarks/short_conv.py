@@ -124,7 +124,7 @@ def main():
     for normalize in (True, False):
       form = "q/k (L2 norm)" if normalize else "v"
       exact = run_jax(inp, short_conv_reference, normalize, 1, dtype=jnp.float32)
-      runs = {"xla": lambda: run_jax(inp, short_conv_reference, normalize, a.reps)}
+      runs = {"reference": lambda: run_jax(inp, short_conv_reference, normalize, a.reps)}
       for bt in map(int, a.blocks.split(",")):
         fn = lambda *args, bt=bt, **kw: short_conv_pallas(*args, block_t=bt,
                                                           interpret=a.interpret, **kw)

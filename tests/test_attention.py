@@ -22,7 +22,7 @@ from pallas_kernels.attention import (attention, attention_reference, flash_gpu,
                                       max_logit, max_logit_block, max_logit_gpu,
                                       run_slots, segment_runs, unique_padding_ids)
 
-RTOL, ATOL = 1e-5, 2e-5   # fp32: flash and dense differ only in summation order
+RTOL, ATOL = 1e-5, 2e-5   # fp32: kernel and reference differ only in summation order
 
 
 def randn(seed, *shape):
@@ -64,7 +64,7 @@ def test_flash_matches_dense(causal):
   run = lambda backend: value_and_grads(  # noqa: E731
       lambda q, k, v: attention(q, k, v, ids, scale=scale, causal=causal, backend=backend),
       q, k, v)
-  (out, grads), (ref, ref_grads) = run("flash"), run("dense")
+  (out, grads), (ref, ref_grads) = run("kernel"), run("reference")
   assert out.shape == (b, t, h, dv) and grads[1].shape == k.shape
   check_close(out, ref)
   for g, r in zip(grads, ref_grads):
@@ -176,25 +176,25 @@ SPECS = (jax.ShapeDtypeStruct((2, 256, 4, 192), jnp.bfloat16),
          jax.ShapeDtypeStruct((2, 256), jnp.int32))
 
 
-@pytest.mark.parametrize("backend", ["auto", "flash", "dense"])
+@pytest.mark.parametrize("backend", ["auto", "kernel", "reference"])
 def test_auto_lowering_per_platform(backend):
   """"auto" is decided when lowering: splash's Mosaic call for TPU, the GPU kernels for
   CUDA (Triton here: cuDNN is looked for when tracing, and a CPU host has none), no kernel
-  on CPU (where it is the dense reference, exactly); "dense" never a kernel."""
+  on CPU (where it is the dense reference, exactly); "reference" never a kernel."""
   traced = jax.jit(_loss_fn(backend)).trace(*SPECS)
   tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
   cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
   cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
-  assert ("tpu_custom_call" in tpu) == (backend != "dense")
-  assert ("__gpu$xla.gpu.triton" in cuda) == (backend != "dense")
-  if backend != "flash":  # (forced flash interprets splash on CPU)
+  assert ("tpu_custom_call" in tpu) == (backend != "reference")
+  assert ("__gpu$xla.gpu.triton" in cuda) == (backend != "reference")
+  if backend != "kernel":  # (the forced kernel interprets splash on CPU)
     assert "tpu_custom_call" not in cpu and "triton" not in cpu
   if backend == "auto":
     q, k, v = randn(13, 2, 40, 3, 16), randn(14, 2, 40, 1, 16), randn(15, 2, 40, 3, 8)
     ids = packed_ids(2, 40)
     fn = lambda be: jax.jit(lambda *a: attention(*a, ids, scale=0.1, causal=True,  # noqa: E731
                                                  backend=be, return_max_logit=True))(q, k, v)
-    for got, want in zip(fn("auto"), fn("dense")):
+    for got, want in zip(fn("auto"), fn("reference")):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -208,14 +208,14 @@ def test_sharded_on_cpu_mesh():
   ids = jnp.asarray(np.r_[np.ones(40), np.zeros(24)].astype(np.int32)[None].repeat(2, 0))
   run = lambda be, **kw: jax.jit(lambda q, k, v: attention(  # noqa: E731
       q, k, v, ids, scale=0.2, backend=be, **kw))(q, k, v)
-  check_close(run("flash", causal=True, mesh=mesh, batch_axis="data", head_axis="tensor"),
-              run("dense", causal=True))
+  check_close(run("kernel", causal=True, mesh=mesh, batch_axis="data", head_axis="tensor"),
+              run("reference", causal=True))
 
   def vision(q, k, v, ids):   # one buffer [N, H, D], as in VisionBlock
     return attention(q[None], k[None], v[None], ids[None], scale=0.2, causal=False,
-                     backend="flash", mesh=mesh, seq_axis="data", head_axis="tensor")[0]
+                     backend="kernel", mesh=mesh, seq_axis="data", head_axis="tensor")[0]
   got = jax.jit(jax.vmap(vision))(q, k, v, ids)
-  check_close(got, run("dense", causal=False))
+  check_close(got, run("reference", causal=False))
 
 
 CP_IDS = np.array([[1] * 21 + [2] * 11 + [5] * 18 + [0] * 3 + [6] * 11,  # 5 starts at T/2
@@ -250,14 +250,14 @@ def check_cp_equals_dense(backend, q, k, v, w, **where):
   """`backend` placed as `where` says gives the unsharded dense reference's output, max
   logit and gradients."""
   out, logit, grads = cp_run(backend, q, k, v, w, **where)
-  ref, ref_logit, ref_grads = cp_run("dense", q, k, v, w)
+  ref, ref_logit, ref_grads = cp_run("reference", q, k, v, w)
   check_close(out, ref)
   np.testing.assert_allclose(np.asarray(logit), np.asarray(ref_logit), rtol=1e-6)
   for g, r in zip(grads, ref_grads):
     check_close(g, r)
 
 
-@pytest.mark.parametrize("backend", ["dense", "flash"])
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
 @pytest.mark.parametrize("c, shape, batch_axis, seq_axis", CP_LAYOUTS)
 def test_context_parallel_matches_dense(backend, c, shape, batch_axis, seq_axis):
   """Causal attention with the queries split into c slices along T (seq_axis: one mesh axis,
@@ -287,9 +287,9 @@ def test_context_parallel_gpu_gathers(monkeypatch, shared_kv):
   q, k, v, w = cp_inputs(1)
   if shared_kv:
     v = v[:, :, :1]
-  got = cp_run("flash", q, k, v, w, mesh=mesh, batch_axis="data", seq_axis="context",
+  got = cp_run("kernel", q, k, v, w, mesh=mesh, batch_axis="data", seq_axis="context",
                head_axis="tensor" if shared_kv else None)
-  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(cp_run("dense", q, k, v, w))):
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(cp_run("reference", q, k, v, w))):
     check_close(g, r)
 
 
@@ -301,7 +301,7 @@ def test_context_parallel_dense_scores_per_slice():
   t = q.shape[1]
 
   def loss(q, k, v):
-    out = attention(q, k, v, jnp.asarray(CP_IDS), scale=0.3, causal=True, backend="dense",
+    out = attention(q, k, v, jnp.asarray(CP_IDS), scale=0.3, causal=True, backend="reference",
                     mesh=mesh, seq_axis="context")
     return jnp.sum(out * w)
   shapes = {tuple(o.aval.shape[-2:]) for e in jaxpr_eqns(jax.make_jaxpr(jax.grad(
@@ -354,10 +354,10 @@ def test_tpu_aot_sharded_flash_fits():
 
 def test_model_reads_config_field():
   """model.mla.attention picks the backend: a small MLA gives the same output and max
-  logit through "flash" (interpret) as through "dense"."""
+  logit through "kernel" (interpret) as through "reference"."""
   from test_mla import SEG, inputs, small_model_cfg  # noqa: PLC0415
   outs = []
-  for backend in ("flash", "dense"):
+  for backend in ("kernel", "reference"):
     cfg = small_model_cfg()
     cfg.mla.attention = backend
     mla = random_model(cfg, model_cls=MLA)
@@ -375,6 +375,20 @@ def test_config_rejects_unknown_backend(field):
   cfg.model[field].attention = "splash"
   with pytest.raises(k3config.ConfigError, match=f"model.{field}.attention"):
     k3config.validate(cfg)
+
+
+@pytest.mark.parametrize("field", ["mla", "vision"])
+@pytest.mark.parametrize("old,new", [("dense", "reference"), ("flash", "kernel")])
+def test_old_backend_names_are_told_the_new_ones(field, old, new):
+  """A config, or a call, with a backend's old name fails naming the new one."""
+  cfg = k3config.base_config()
+  cfg.model[field].attention = old
+  with pytest.raises(k3config.ConfigError,
+                     match=f"model.{field}.attention: '{old}' was renamed '{new}'"):
+    k3config.validate(cfg)
+  q = jnp.zeros((1, 8, 2, 16))
+  with pytest.raises(ValueError, match=f"'{old}' was renamed '{new}'.*'reference', 'kernel'"):
+    attention(q, q, q, jnp.ones((1, 8), jnp.int32), scale=1.0, causal=True, backend=old)
 
 
 def test_tpu_aot_vision_layout():
@@ -409,5 +423,5 @@ def test_multi_query_flash_matches_dense(c, shape, batch_axis, seq_axis):
                 randn(33, b, t, h, 24))
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:math.prod(shape)]).reshape(shape),
                            ("data", "context", "tensor"))
-  check_cp_equals_dense("flash", q, k, v, w, mesh=mesh, batch_axis=batch_axis,
+  check_cp_equals_dense("kernel", q, k, v, w, mesh=mesh, batch_axis=batch_axis,
                         head_axis="tensor", seq_axis=seq_axis)

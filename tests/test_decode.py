@@ -172,7 +172,7 @@ def test_an_image_prompt_decodes_as_the_forward_sees_it():
   m = c.model
   m.moe.dispatch, m.kda.backend = "dropless", "naive"
   v = m.vision
-  v.enabled, v.placeholder_id, v.attention = True, 63, "dense"
+  v.enabled, v.placeholder_id, v.attention = True, 63, "reference"
   v.num_layers, v.width, v.num_heads, v.head_dim, v.mlp_dim = 2, 16, 2, 8, 32
   v.patch_size, v.pos_grid, v.max_patches, v.max_media = 2, 4, 32, 2
   model = random_model(m, model_cls=K3Model)

@@ -183,7 +183,7 @@ def test_imported_weights_compute_what_the_release_computes():
 
   from k3jax.convert import hf_config  # noqa: PLC0415
   m = small()
-  m.dtype, m.moe.dispatch, m.mla.attention = "float32", "dropless", "dense"
+  m.dtype, m.moe.dispatch, m.mla.attention = "float32", "dropless", "reference"
   arrays = release_arrays(m)
   model = model_from_release(m, arrays)
   tokens = np.random.default_rng(5).integers(0, m.vocab_size, 12)
@@ -196,7 +196,7 @@ def test_imported_weights_compute_what_the_release_computes():
 
 def with_vision(m):
   v = m.vision
-  v.enabled, v.attention = True, "dense"
+  v.enabled, v.attention = True, "reference"
   v.num_layers, v.width, v.num_heads, v.head_dim, v.mlp_dim = 2, 16, 2, 8, 32
   v.patch_size, v.pos_grid, v.max_patches, v.max_media, v.placeholder_id = 2, 4, 32, 2, 90
   return m
@@ -256,7 +256,7 @@ def test_imported_tower_sees_an_image_as_the_release_does():
   from k3jax.convert import hf_config  # noqa: PLC0415
   from k3jax.media import pack, patchify  # noqa: PLC0415
   m = with_vision(small())
-  m.dtype, m.moe.dispatch, m.mla.attention = "float32", "dropless", "dense"
+  m.dtype, m.moe.dispatch, m.mla.attention = "float32", "dropless", "reference"
   v = m.vision
   arrays = release_arrays(m)
   model = model_from_release(m, arrays)

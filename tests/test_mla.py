@@ -226,10 +226,10 @@ def test_bf16_compute_close_to_fp32(dtype):
   assert err.max() < 0.05 * np.abs(np.asarray(y32)).max()
 
 
-@pytest.mark.parametrize("backend", ["dense", "flash"])
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
 def test_absorbed_form_equals_expanded(backend):
   """model.mla.form = "absorbed" (W_kvb folded into the queries and outputs; attention over
-  c_kv and the shared key, one "head" for all; flash: splash's multi-query kernel,
+  c_kv and the shared key, one "head" for all; "kernel": splash's multi-query kernel,
   interpreted) computes the expanded form's outputs, max logits and gradients."""
   expanded = make()
   cfg = small_model_cfg()

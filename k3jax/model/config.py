@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import ml_collections
 
-from k3jax.config_error import check
+from k3jax.config_error import check, check_backend
 from k3jax.model.balancing import BALANCINGS
 from k3jax.model.moe_dispatch import DISPATCHES
 from pallas_kernels.attention import BACKENDS as ATTENTION_BACKENDS
+from pallas_kernels.attention import RENAMED as ATTENTION_RENAMED
 from pallas_kernels.grouped_matmul import BACKENDS as GMM_BACKENDS
 from pallas_kernels.kda import BACKENDS as KDA_BACKENDS
 from pallas_kernels.kda import BOUNDED_GATE_ONLY
@@ -78,9 +79,10 @@ def _mla() -> ml_collections.ConfigDict:
   a.qk_nope_dim = 128
   a.qk_rope_dim = 64     # NoPE: the "rope" slot is never rotated; one key shared by all heads
   a.v_head_dim = 128
-  # pallas_kernels.attention backend: "dense", "flash" or "auto" (flash on TPU/GPU). Dense
-  # by default: splash's Mosaic compile is slow for micro models; accelerator configs: "auto".
-  a.attention = "dense"
+  # pallas_kernels.attention backend: "reference" (dense scores), "kernel" (flash kernels)
+  # or "auto" (the kernel on TPU/GPU). The reference by default: splash's Mosaic compile is
+  # slow for micro models; accelerator configs: "auto".
+  a.attention = "reference"
   # "expanded": per-head keys and values from c_kv; "absorbed": W_kvb folded into queries
   # and outputs so attention reads c_kv directly (long context, where per-head keys won't fit)
   a.form = "expanded"
@@ -140,7 +142,7 @@ def _vision() -> ml_collections.ConfigDict:
   v.projector_norm = "post"
   v.projector_act = "gelu"
   v.placeholder_id = 163_605  # the text token the image features replace (Kimi's media placeholder)
-  v.attention = "dense"  # pallas_kernels.attention backend, as model.mla.attention
+  v.attention = "reference"  # pallas_kernels.attention backend, as model.mla.attention
   return v
 
 
@@ -198,8 +200,8 @@ def _check_mla(m: ml_collections.ConfigDict) -> None:
   check(a.kv_lora_rank <= m.d_model, "model.mla.kv_lora_rank",
         f"{a.kv_lora_rank} is wider than d_model={m.d_model}")
   for field in ("mla", "vision"):
-    check(m[field].attention in ATTENTION_BACKENDS, f"model.{field}.attention",
-          f"unknown backend {m[field].attention!r} (known: {', '.join(ATTENTION_BACKENDS)})")
+    check_backend(f"model.{field}.attention", m[field].attention, ATTENTION_BACKENDS,
+                  ATTENTION_RENAMED)
   check(a.form in MLA_FORMS, "model.mla.form", f"must be one of {MLA_FORMS}, got {a.form!r}")
 
 

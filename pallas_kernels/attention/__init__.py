@@ -1,6 +1,7 @@
-"""Softmax attention with a document mask: `attention` dispatches to "dense" (`reference.py`)
-or "flash" (`flash.py`, `cudnn.py`); `max_logit.py` recomputes QK-Clip's max logit for the
-flash kernels, `context.py` splits the queries along T (context parallelism)."""
+"""Softmax attention with a document mask: `attention` dispatches to "reference"
+(`reference.py`, dense scores) or "kernel" (the flash kernels of `flash.py`, `cudnn.py`);
+`max_logit.py` recomputes QK-Clip's max logit for the kernels, `context.py` splits the
+queries along T (context parallelism)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from pallas_kernels.attention.cudnn import cudnn_ready, flash_cudnn, run_slots, 
 from pallas_kernels.attention.flash import flash_gpu, flash_tpu, unique_padding_ids
 from pallas_kernels.attention.max_logit import max_logit, max_logit_block, max_logit_gpu
 from pallas_kernels.attention.reference import attention_mask, attention_reference
+from pallas_kernels.backends import check_backend
 from pallas_kernels.shard_types import axis_names
 
-__all__ = ["BACKENDS", "attention", "attention_mask", "attention_reference", "cudnn_ready",
-           "flash_cuda", "flash_cudnn", "flash_gpu", "flash_tpu", "max_logit", "max_logit_block",
-           "max_logit_gpu", "run_slots", "segment_runs", "unique_padding_ids"]
+__all__ = ["BACKENDS", "RENAMED", "attention", "attention_mask", "attention_reference",
+           "cudnn_ready", "flash_cuda", "flash_cudnn", "flash_gpu", "flash_tpu", "max_logit",
+           "max_logit_block", "max_logit_gpu", "run_slots", "segment_runs", "unique_padding_ids"]
 
-BACKENDS = ("auto", "flash", "dense")
+BACKENDS = ("reference", "kernel", "auto")
+RENAMED = {"dense": "reference", "flash": "kernel"}  # old: new
 
 
 def _sharded(kernel, q, k, v, ids, *, mesh, batch_axis, head_axis, seq_axis,
@@ -64,27 +67,28 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
               mesh=None, batch_axis=None, head_axis=None, seq_axis=None):
   """softmax(scale q k^T, `attention_mask`) v: q [B, T, H, Dqk], k [B, T, H or 1, Dqk],
   v [B, T, H or 1, Dv], segment_ids [B, T] (0 = padding) -> [B, T, H, Dv] in v's dtype, and
-  with return_max_logit each head's max logit [H] fp32. backend: "dense", "flash" (the
-  lowering platform's kernel), "auto" (flash on TPU and GPU; chosen at lowering). seq_axis
-  splits the query rows (`context.py`); the GPU kernels, with no query offset, gather T."""
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+  with return_max_logit each head's max logit [H] fp32. backend: "reference" (dense scores),
+  "kernel" (the lowering platform's flash kernel: splash on TPU, cuDNN or Triton on GPU,
+  splash interpreted elsewhere), "auto" (the kernel on TPU and GPU, else the reference;
+  chosen at lowering). seq_axis splits the query rows (`context.py`); the GPU kernels, with
+  no query offset, gather T."""
+  check_backend("attention", backend, BACKENDS, RENAMED)
   context = functools.partial(context_parallel, return_max_logit=return_max_logit,
                               mesh=mesh, batch_axis=batch_axis, head_axis=head_axis,
                               seq_axis=seq_axis)
   split = causal and mesh is not None and seq_axis is not None
 
-  def dense_local(q, k, v, ids, q_offset):
+  def reference_local(q, k, v, ids, q_offset):
     return attention_reference(q, k, v, ids, scale=scale, causal=True, q_offset=q_offset)
 
-  def dense(q, k, v):
+  def reference(q, k, v):
     if split:
-      return context(dense_local, q, k, v, segment_ids)
+      return context(reference_local, q, k, v, segment_ids)
     out, logit_max = attention_reference(q, k, v, segment_ids, scale=scale, causal=causal)
     return (out, logit_max) if return_max_logit else out
 
-  if backend == "dense":
-    return dense(q, k, v)
+  if backend == "reference":
+    return reference(q, k, v)
   def per_head(x, heads):
     return jnp.broadcast_to(x, (*x.shape[:2], heads, x.shape[3]))
 
@@ -123,8 +127,8 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
     return shard(gpu, q, k, v, ids, seq_axis=None, with_logit=return_max_logit)
 
   interpreted = functools.partial(tpu, interpret=True)
-  forced = backend == "flash"
+  forced = backend == "kernel"
   return jax.lax.platform_dependent(
       q, k, v, tpu=windowed(False) if split else flash(tpu),
       cuda=cuda,
-      default=(windowed(True) if split else flash(interpreted)) if forced else dense)
+      default=(windowed(True) if split else flash(interpreted)) if forced else reference)
