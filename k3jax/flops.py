@@ -62,8 +62,7 @@ def flops_per_token(m: ml_collections.ConfigDict, seq_len: int) -> dict[str, flo
   k, a, e = m.kda, m.mla, m.moe
   hk = k.num_heads * k.head_dim
   # chunk_size 0: this process's platform default (64 on CPU, as on TPU)
-  chunk = k.chunk_size or kda_ops.default_chunk_size(k.backend, jax.default_backend(),
-                                                     k.gate == "bounded")
+  chunk = k.chunk_size or kda_ops.default_chunk_size(k.backend, jax.default_backend())
   for mixer, ffn in layer_kinds(m):
     if mixer == "kda":
       f["kda_proj"] += (5 * 2 * d * hk + 2 * d * k.num_heads

@@ -180,12 +180,14 @@ def test_kernel_packed_documents():
   assert sum(DOC_LENGTHS[0]) == 100 and DOC_LENGTHS[0][:2] == [37, 1]
 
 
-@pytest.mark.parametrize("chunk,sub,docs", [(16, 16, [16]), (16, 8, [5, 1, 10]),
-                                            (32, 8, [3, 20, 9]), (64, 16, [30, 34])])
-def test_hand_derived_prep_vjp_is_autodiff(chunk, sub, docs):
+@pytest.mark.parametrize("chunk,sub,docs,bounded", [
+    (16, 16, [16], True), (16, 8, [5, 1, 10], True), (32, 8, [3, 20, 9], True),
+    (64, 16, [30, 34], True), (16, 16, [16], False), (32, 8, [3, 20, 9], False)])
+def test_hand_derived_prep_vjp_is_autodiff(chunk, sub, docs, bounded):
   """`tile.chunk_prep_vjp` (the backward kernel's maths, derived by hand) equals `jax.vjp` of
   `tile.chunk_prep` on one chunk, fp32, HIGHEST: one diagonal tile or several, documents
-  starting inside the chunk (one of a single token), state-seeing and last-document masks."""
+  starting inside the chunk (one of a single token), state-seeing and last-document masks;
+  the bounded gate (g in [-5, 0]) and an unbounded one (down to -40 a token)."""
   from jax import lax  # noqa: PLC0415
 
   from pallas_kernels.kda import tile  # noqa: PLC0415
@@ -193,14 +195,15 @@ def test_hand_derived_prep_vjp_is_autodiff(chunk, sub, docs):
   unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)
   q, k = unit(rng.normal(size=(2, chunk, 32)))
   v = rng.normal(size=(chunk, 16))
-  g = rng.uniform(-5, 0, size=(chunk, 32))
+  g = rng.uniform(-5 if bounded else -40, 0, size=(chunk, 32))
   beta = rng.uniform(size=(chunk, 1))
   doc = np.repeat(np.arange(len(docs)), docs).astype(np.int32)
   masks = (jnp.asarray(doc[:, None]), jnp.asarray(doc[None, :]),
            jnp.asarray(doc == 0, jnp.float32)[:, None],
            jnp.asarray(doc == doc[-1], jnp.float32)[:, None])
   args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
-  kw = dict(scale=0.3, sub=sub, mm_dtype=jnp.float32, precision=lax.Precision.HIGHEST)
+  kw = dict(scale=0.3, sub=sub, mm_dtype=jnp.float32, precision=lax.Precision.HIGHEST,
+            bounded=bounded)
   outs, vjp = jax.vjp(lambda *a: tile.chunk_prep(*a, *masks, **kw), *args)
   cots = [jnp.asarray(rng.normal(size=o.shape), jnp.float32) for o in outs]
   hand_outs, hand_vjp = tile.chunk_prep_vjp(*args, *masks, **kw)
@@ -208,6 +211,30 @@ def test_hand_derived_prep_vjp_is_autodiff(chunk, sub, docs):
     np.testing.assert_array_equal(a, b)
   for name, a, b in zip(("q", "k", "v", "g", "beta"), hand_vjp(*cots), vjp(tuple(cots))):
     assert rel_rms(a, b) < 1e-6, name
+
+
+def test_unbounded_gate_kernel_matches_naive():
+  """Kimi Linear's softplus gate (down to -60 a token, as test_kda_ops' chunked spec) through
+  the kernels with `bounded_gate=False`: outputs, final state and every gradient equal the
+  literal recurrence, chunks of 32 in sub-tiles of 8 with packed documents and the GPU's
+  16 / 16 without. The bounded form on the same gate does not (its factors overflow)."""
+  B, T, H, K, V = 2, 100, 2, 32, 16
+  q, k, v, _, beta, h0 = make_inputs(12, B, T, H, K, V)
+  f = np.random.default_rng(13).standard_normal((B, T, H, K)) * 3
+  f[1, 20:60] += 30.0
+  g = jnp.asarray(-2.0 * np.logaddexp(0.0, f), jnp.float32)      # -A softplus(f), A = 2
+  assert float(g.min()) < -60
+  cot = cotangents(14, (B, T, H, V), (B, H, K, V))
+  for chunk, sub, seg in ((32, 8, packed_segment_ids()), (16, 16, None)):
+    naive = functools.partial(kda_naive, segment_ids=seg)
+    kernel = functools.partial(interpret, chunk_size=chunk, sub_chunk_size=sub,
+                               segment_ids=seg, bounded_gate=False)
+    out_ref, grads_ref = forward_and_grads(naive, q, k, v, g, beta, h0, *cot)
+    out, grads = forward_and_grads(kernel, q, k, v, g, beta, h0, *cot)
+    check(out, grads, out_ref, grads_ref, RTOL_FP32, B)
+  bounded = functools.partial(interpret, chunk_size=16, sub_chunk_size=16)
+  o = np.asarray(compile_fast(bounded, q, k, v, g, beta)(q, k, v, g, beta))
+  assert not np.all(np.isfinite(o[1])) or rel_rms(o[1], out_ref[0][1]) > RTOL_FP32
 
 
 def test_kernel_unaligned_head_dims():
@@ -293,17 +320,17 @@ def test_recurrence_blocks_by_programs():
 
 def test_lowers_for_cuda():
   """Forward and backward lower to Triton for CUDA (no GPU needed): bf16, K = V = 128,
-  packed documents and an initial state."""
+  packed documents and an initial state; the unbounded gate's kernels too."""
   B, T, H, D = 1, 200, 2, 128
   sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H),
           sd(B, H, D, D, dt=jnp.float32), sd(B, T, dt=jnp.int32))
 
-  def lowered(save_states, n_spans=1):
+  def lowered(save_states, n_spans=1, bounded_gate=True):
     def loss(q, k, v, g, beta, h0, seg):
       o, s = kda_pallas(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
                         output_final_state=True, platform="gpu", save_states=save_states,
-                        spans=n_spans)
+                        spans=n_spans, bounded_gate=bounded_gate)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
@@ -312,6 +339,7 @@ def test_lowers_for_cuda():
   # prep, rec_fwd (states saved), rec_bwd, chunk_cots, chunk_bwd; recomputing adds prep and
   # rec_fwd
   assert lowered(True).count("__gpu$xla.gpu.triton") == 5
+  assert lowered(True, bounded_gate=False).count("__gpu$xla.gpu.triton") == 5
   assert lowered(False).count("__gpu$xla.gpu.triton") == 7
   # in spans the forward adds the transitions and the chain, the backward the spans' own
   # cotangents and the chain back
@@ -384,7 +412,7 @@ def test_tpu_aot_compile():
   shard_map with batch on one mesh axis and heads on the other: five Mosaic kernels in
   the gradient (prep, recurrence forward with saved states, recurrence backward, chunk_cots,
   chunk_bwd), seven with save_states=False (prep and the recurrence again in the
-  backward)."""
+  backward); the unbounded gate's five (its diagonal tiles a column at a time, 64 of 16)."""
   import os  # noqa: PLC0415
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # pytest -n 2: two workers
   from jax.sharding import NamedSharding  # noqa: PLC0415
@@ -401,12 +429,12 @@ def test_tpu_aot_compile():
           spec((B, H, D, D), P("data", "model"), jnp.float32), spec((B, T), P("data"),
                                                                      jnp.int32))
 
-  def compiled(save_states):
+  def compiled(save_states, bounded_gate=True):
     def loss(q, k, v, g, beta, h0, seg):
       o, s = kda_pallas_sharded(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
                                 output_final_state=True, platform="tpu", mesh=mesh,
                                 batch_axis="data", head_axis="model",
-                                save_states=save_states)
+                                save_states=save_states, bounded_gate=bounded_gate)
       return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
@@ -414,3 +442,4 @@ def test_tpu_aot_compile():
 
   assert compiled(True).count("tpu_custom_call") == 5
   assert compiled(False).count("tpu_custom_call") == 7
+  assert compiled(True, bounded_gate=False).count("tpu_custom_call") == 5

@@ -241,11 +241,8 @@ def test_dispatcher():
     assert trace(kda, backend=backend) == trace(fn)
   with pytest.raises(ValueError, match="chunk.*naive"):
     kda(q, k, v, g, beta, backend="pallas")
-  # an unbounded gate: "auto" picks the chunked form on every platform, a kernel refuses it
-  assert resolve_backend("auto", "gpu", bounded_gate=False) == "chunk"
-  assert resolve_backend("auto", "gpu") == "kernel"
-  with pytest.raises(ValueError, match="needs the bounded gate"):
-    kda(q, k, v, g, beta, backend="interpret", bounded_gate=False)
+  assert resolve_backend("auto", "gpu") == resolve_backend("auto", "tpu") == "kernel"
+  assert resolve_backend("auto", "cpu") == "chunk"
 
 
 def test_chunk_rejects_bad_tile_sizes():

@@ -214,19 +214,21 @@ def test_bf16_compute_reaches_the_kda_recurrence(monkeypatch):
   assert y.dtype == jnp.bfloat16
 
 
-def test_softplus_gate_layer_chunked_equals_the_recurrence():
-  """A KDA layer with Kimi Linear's softplus gate: "auto" (the chunked form on CPU, told the
-  gate is unbounded) gives the literal recurrence's output, packed documents included."""
+def test_softplus_gate_layer_chunked_and_kernel_equal_the_recurrence():
+  """A KDA layer with Kimi Linear's softplus gate: "auto" (the chunked form on CPU) and the
+  kernels (interpret mode), each told the gate is unbounded, give the literal recurrence's
+  output, packed documents included."""
   from k3jax.model import kda as kda_layer  # noqa: PLC0415
   cfg = micro_config().model
   cfg.kda.gate = "softplus"
   x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 40, cfg.d_model)), jnp.float32)
   seg = jnp.asarray(np.repeat([[1, 2], [3, 3]], [17, 23], axis=1), jnp.int32)
   outs = {}
-  for backend in ("auto", "naive"):
+  for backend in ("auto", "interpret", "naive"):
     cfg.kda.backend = backend
     outs[backend] = kda_layer.KDA(cfg, rngs=nnx.Rngs(0))(x, seg)[0]
   np.testing.assert_allclose(outs["auto"], outs["naive"], rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(outs["interpret"], outs["naive"], rtol=1e-4, atol=1e-5)
 
 
 def test_bf16_gradients_sum_in_fp32():

@@ -18,7 +18,7 @@ one choice of the base config ("baseline": K3's own choices).
                  default speed), Switch's auxiliary loss at its weight 0.01.
   optimizer      Muon per head (K3), Muon on whole matrices, AdamW (the same schedule).
   kda_gate       the bounded decay gate (K3) or Kimi Linear's softplus gate (unbounded: KDA's
-                 chunked form runs it, not the kernels).
+                 diagonal tiles without the bounded gate's factoring).
 
 "small": k3_small, each run 2,000 of its steps (a fifth of its own run).
 """

@@ -12,7 +12,6 @@ from pallas_kernels.attention import BACKENDS as ATTENTION_BACKENDS
 from pallas_kernels.attention import RENAMED as ATTENTION_RENAMED
 from pallas_kernels.grouped_matmul import BACKENDS as GMM_BACKENDS
 from pallas_kernels.kda import BACKENDS as KDA_BACKENDS
-from pallas_kernels.kda import BOUNDED_GATE_ONLY
 from pallas_kernels.short_conv import BACKENDS as CONV_BACKENDS
 
 REMAT_POLICIES = ("none", "full", "dots")
@@ -186,10 +185,8 @@ def _check_kda(k: ml_collections.ConfigDict) -> None:
         f"unknown backend {k.backend!r} (known: {', '.join(KDA_BACKENDS)})")
   check(k.conv_backend in CONV_BACKENDS, "model.kda.conv_backend",
         f"unknown backend {k.conv_backend!r} (known: {', '.join(CONV_BACKENDS)})")
-  check(k.gate == "bounded" or k.backend not in BOUNDED_GATE_ONLY, "model.kda.backend",
-        f"{k.backend!r} needs the bounded gate (g >= gate_lower_bound); gate='softplus' runs "
-        "on 'chunk', 'naive' or 'auto' (which picks 'chunk' for it)")
-  check(k.gate_lower_bound >= -5.0 or k.backend == "naive", "model.kda.gate_lower_bound",
+  check(k.gate_lower_bound >= -5.0 or k.backend == "naive" or k.gate != "bounded",
+        "model.kda.gate_lower_bound",
         f"{k.gate_lower_bound} is below -5: 16-token tiles of the chunked form would overflow")
 
 

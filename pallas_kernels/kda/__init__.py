@@ -9,26 +9,24 @@ from pallas_kernels.kda.pallas import default_chunk, kda_pallas, kda_pallas_shar
 from pallas_kernels.platform import target_platform
 from pallas_kernels.shard_types import axis_size
 
-__all__ = ["BACKENDS", "BOUNDED_GATE_ONLY", "LOWER_BOUND", "default_chunk_size", "kda",
+__all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda",
            "kda_chunk", "kda_context", "kda_naive", "kda_pallas", "resolve_backend"]
 
 # "kernel": Pallas (Triton on GPU, Mosaic on TPU); "interpret": the same kernels in interpret
-# mode; "auto": "kernel" on TPU and GPU, else "chunk" (and "chunk" for an unbounded gate).
+# mode; "auto": "kernel" on TPU and GPU, else "chunk".
 BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
-# the kernels factor each tile's decays, which needs g >= LOWER_BOUND
-BOUNDED_GATE_ONLY = ("kernel", "interpret")
 
 
-def resolve_backend(backend: str, platform: str, bounded_gate: bool = True) -> str:
+def resolve_backend(backend: str, platform: str) -> str:
   """The backend "auto" stands for on platform ("gpu", "tpu", "cpu"); others unchanged."""
   if backend != "auto":
     return backend
-  return "kernel" if platform in ("gpu", "tpu") and bounded_gate else "chunk"
+  return "kernel" if platform in ("gpu", "tpu") else "chunk"
 
 
-def default_chunk_size(backend: str, platform: str, bounded_gate: bool = True) -> int:
+def default_chunk_size(backend: str, platform: str) -> int:
   """The chunk length when none is named: `pallas.default_chunk` for the kernel, else 64."""
-  backend = resolve_backend(backend, platform, bounded_gate)
+  backend = resolve_backend(backend, platform)
   return default_chunk(platform) if backend == "kernel" else 64
 
 
@@ -40,7 +38,7 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   until it divides each device's slice. mesh, batch_axis, head_axis: the kernels run per
   device under `shard_map` (XLA does not partition a Pallas call); seq_axis splits T for
   every backend (`context.py`). platform: `target_platform`'s. bounded_gate: g >=
-  LOWER_BOUND (K3's gate); False (the softplus gate) runs on "chunk" and "naive" only.
+  LOWER_BOUND (K3's gate); False: any g <= 0 (the softplus gate), on every backend.
   Returns o [B, T, H, V], and the final state [B, H, K, V] if output_final_state."""
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
@@ -49,16 +47,13 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
     raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")
   split = mesh is not None and seq_axis is not None
   if not chunk_size:
-    chunk_size = default_chunk_size(backend, platform, bounded_gate)
+    chunk_size = default_chunk_size(backend, platform)
     while split and chunk_size > 16 and (q.shape[1] // axis_size(mesh, seq_axis)) % chunk_size:
       chunk_size //= 2
-  backend = resolve_backend(backend, platform, bounded_gate)
-  if not bounded_gate and backend in BOUNDED_GATE_ONLY:
-    raise ValueError(f"KDA backend {backend!r} needs the bounded gate (g >= {LOWER_BOUND}); "
-                     "an unbounded (softplus) gate runs on 'chunk' or 'naive'")
+  backend = resolve_backend(backend, platform)
   interpret = backend == "interpret"
   kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, interpret=interpret,
-                platform="cpu" if interpret else platform)
+                platform="cpu" if interpret else platform, bounded_gate=bounded_gate)
   run = {"chunk": functools.partial(kda_chunk, chunk_size=chunk_size,
                                     sub_chunk_size=sub_chunk_size, bounded_gate=bounded_gate),
          "naive": kda_naive}.get(backend, functools.partial(kda_pallas, **kernel))

@@ -24,6 +24,7 @@ class Config:
   interpret: bool
   platform: str
   save_states: bool = True
+  bounded_gate: bool = True  # g >= LOWER_BOUND; False: `tile.pair_part`s on the diagonal
   spans: int = 1  # recurrences in parallel spans (`spans.py`), a power of two
   transition_block: int = 128
   chain_block: int = 16

@@ -17,7 +17,7 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_
   w, u, a, qs, ks, dec = tile.chunk_prep(
       q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
       docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
-      mm_dtype=cfg.mm, precision=cfg.prep_prec)
+      mm_dtype=cfg.mm, precision=cfg.prep_prec, bounded=cfg.bounded_gate)
   for ref, x in ((w_ref, w), (u_ref, u), (a_ref, a), (qs_ref, qs), (ks_ref, ks),
                  (dec_ref, dec)):
     ref[...] = x.astype(ref.dtype)
@@ -85,7 +85,7 @@ def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, 
   _, vjp = tile.chunk_prep_vjp(
       q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
       docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
-      mm_dtype=cfg.mm, precision=cfg.bwd_prec)
+      mm_dtype=cfg.mm, precision=cfg.bwd_prec, bounded=cfg.bounded_gate)
   grads = vjp(dw_ref[...], du_ref[...], da_ref[...], dqs_ref[...], dks_ref[...],
               ddec_ref[...])
   for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref), grads):

@@ -87,17 +87,18 @@ _kda_core.defvjp(_core_fwd, _core_bwd)
 
 def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                output_final_state=False, chunk_size=None, sub_chunk_size=16, interpret=False,
-               platform=None, block_v=None, save_states=True, **tuning):
+               platform=None, block_v=None, save_states=True, bounded_gate=True, **tuning):
   """`kda_naive`'s contract, any T; bf16 inputs take bf16 matmul operands (fp32 state and
   decays). chunk_size: a power of two >= 16, <= GPU_MAX_CHUNK on GPU; save_states=False
-  recomputes prep and the chunk states in the backward; tuning: `blocks.Config` fields."""
+  recomputes prep and the chunk states in the backward; bounded_gate: g >= LOWER_BOUND
+  (False: any g <= 0); tuning: `blocks.Config` fields."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   cfg, args = kernel_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                             segment_ids=segment_ids, chunk_size=chunk_size,
                             sub_chunk_size=sub_chunk_size, interpret=interpret,
                             platform=platform, block_v=block_v, save_states=save_states,
-                            **tuning)
+                            bounded_gate=bounded_gate, **tuning)
   o, st = _kda_core(cfg, *args)
   if blocks.heads_major(cfg.platform):
     o = jnp.swapaxes(o, 1, 2)
@@ -108,7 +109,8 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
 
 
 def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_size,
-                  sub_chunk_size, interpret, platform, block_v, save_states, **tuning):
+                  sub_chunk_size, interpret, platform, block_v, save_states,
+                  bounded_gate=True, **tuning):
   """(Config, padded inputs in the kernels' layout; the initial state as [B, H, Vp, Kp])."""
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -123,7 +125,8 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   if C % L or L & (L - 1):
     raise ValueError(f"chunk_size={C} is not a multiple of sub_chunk_size={L}, or L is not "
                      "a power of two")
-  check_sub_chunk(L)
+  if bounded_gate:
+    check_sub_chunk(L)
   Kp, Vp = (max(16, pl.next_power_of_2(d)) for d in (K, V))
   n_spans = tuning.pop("spans", None)
   if n_spans is None:
@@ -140,7 +143,7 @@ def kernel_inputs(q, k, v, g, beta, *, scale, initial_state, segment_ids, chunk_
   cfg = blocks.Config(scale=float(K ** -0.5 if scale is None else scale), chunk=C, sub=L,
                block_v=block_v, mm_dtype=jnp.dtype(q.dtype).name if q.dtype == jnp.bfloat16
                else "float32", interpret=interpret, platform=platform,
-               save_states=save_states, spans=n_spans, **tuning)
+               save_states=save_states, bounded_gate=bounded_gate, spans=n_spans, **tuning)
   pad_t = -T % (C * n_spans)
   Tp, N = T + pad_t, (T + pad_t) // C
   bv = min(block_v, Vp)

@@ -4,6 +4,8 @@ elementwise maps, masked reductions, iotas; no reshapes, gathers or transposes."
 
 from __future__ import annotations
 
+import itertools
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -45,37 +47,62 @@ def invert_unit_lower(a, precision):
 class _Frame:
   """Masks and cumulative decays of one chunk (shared by `chunk_prep` and its backward)."""
 
-  def __init__(self, g, doc_c, doc_r, sub, precision):
+  def __init__(self, g, doc_c, doc_r, sub, precision, bounded):
     C = g.shape[0]
     t = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     j = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    self.t, self.j = t, j
     self.tc = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-    self.doc_c = doc_c
+    self.g, self.doc_c, self.doc_r = g, doc_c, doc_r
     same = doc_c == doc_r
     self.diag = t == j
     self.causal = same & (t >= j)
     self.strict = same & (t > j)
     self.after = same & (t < j)
-    # Masked sums, not cumsum differences (as chunk.py); e_t = G_t - G_r(t), summed over
-    # j in (r(t), t] for r(t) = max(tile start, document start).
-    is_start = jnp.sum((same & (t <= j)).astype(F32), axis=0, keepdims=True) == 1.0
-    self.span = self.causal & (j > (t & -sub)) & ~is_start
     self.same_tile = (t & -sub) == (j & -sub)
-    self.sub, self.precision = sub, precision
+    self.sub, self.precision, self.bounded = sub, precision, bounded
+    self._parts = None
     self.G = self.masked_sum(self.causal, g)
     self.to_end = self.masked_sum(self.after, g)
-    self.e = self.masked_sum(self.span, g)
+    if bounded:
+      # Masked sums, not cumsum differences (as chunk.py); e_t = G_t - G_r(t), summed over
+      # j in (r(t), t] for r(t) = max(tile start, document start).
+      is_start = jnp.sum((same & (t <= j)).astype(F32), axis=0, keepdims=True) == 1.0
+      self.span = self.causal & (j > (t & -sub)) & ~is_start
+      self.e = self.masked_sum(self.span, g)
 
   def masked_sum(self, mask, x):
     """sum_j mask[t, j] x[j], fp32 at the kernel's precision."""
     return dot(mask.astype(F32), x, "nn", self.precision)
 
+  def pair_part(self, jj):
+    """The diagonal tiles' column jj (an unbounded gate): row t against s = its tile's start
+    + jj, f_t = e^{G_t - G_s} <= 1 summed directly over (s, t] (`span` [C, C]); h = 1."""
+    ref = (self.t & -self.sub) + jj
+    column = self.j == ref
+    doc_ref = jnp.sum(jnp.where(column, self.doc_r, 0), axis=1, keepdims=True)
+    ok = (self.tc - (self.tc & -self.sub) >= jj) & (self.doc_c == doc_ref)
+    span = ok & (self.j > ref) & (self.j <= self.t)
+    f = jnp.exp(jnp.where(ok, self.masked_sum(span, self.g), -jnp.inf))
+    return f, 1.0, column, None, span
+
   def score_parts(self, k):
-    """scores(x) = sum over parts (f, h, mask, at_end) of mask * ((x f) (k h)^T): the
-    diagonal tiles' (e^e, e^-e), then per column tile with a tile after it
-    (e^{G - G_end}, e^{G_end - G}), G_end at its last token (`at_end` [C, 1])."""
+    """scores(x) = sum over parts (f, h, mask, at_end, span) of mask * ((x f) (k h)^T): the
+    diagonal tiles' (e^e, e^-e) for a bounded gate, else their `pair_part`s one column a
+    part (made afresh at each use: sixteen [C, K] factors held at once would not fit a GPU
+    program's registers); then per column tile with a tile after it (e^{G - G_end},
+    e^{G_end - G}), G_end at its last token (`at_end` [C, 1])."""
+    if self._parts is None:
+      self._parts = self._tile_parts(k)
+    if self.bounded:
+      return self._parts
+    return itertools.chain((self.pair_part(jj) for jj in range(self.sub)), self._parts)
+
+  def _tile_parts(self, k):
     C, sub, G, tc, doc_c = k.shape[0], self.sub, self.G, self.tc, self.doc_c
-    parts = [(jnp.exp(self.e), jnp.exp(-self.e), self.same_tile, None)]
+    parts = []
+    if self.bounded:
+      parts.append((jnp.exp(self.e), jnp.exp(-self.e), self.same_tile, None, None))
     for b in range(C // sub - 1):
       end = b * sub + sub - 1
       at_end = tc == end
@@ -84,28 +111,28 @@ class _Frame:
       row_ok = (tc > end) & (doc_c == doc_end)
       col_ok = ((tc & -sub) == b * sub) & (doc_c == doc_end)
       parts.append((jnp.exp(jnp.where(row_ok, G - g_end, -jnp.inf)),
-                    jnp.exp(jnp.where(col_ok, g_end - G, -jnp.inf)), None, at_end))
+                    jnp.exp(jnp.where(col_ok, g_end - G, -jnp.inf)), None, at_end, None))
     return parts
 
 
-def _scores(x, k, parts, mm):
+def _scores(x, k, fr, mm):
   acc = 0.0
-  for f, h, mask, _ in parts:
+  for f, h, mask, *_ in fr.score_parts(k):
     p = mm(x * f, k * h, "nt")
     acc = acc + (p if mask is None else jnp.where(mask, p, 0.0))
   return acc
 
 
-def _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype, precision):
+def _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype, precision,
+             bounded):
   mm = lambda a, b, dims: dot(a, b, dims, precision, mm_dtype)
   C = q.shape[0]
   q, k, v, g, beta = (x.astype(F32) for x in (q, k, v, g, beta))
   q = scale * q
-  fr = _Frame(g, doc_c, doc_r, sub, precision)
-  parts = fr.score_parts(k)
+  fr = _Frame(g, doc_c, doc_r, sub, precision, bounded)
   qk = jnp.sum(q * k, axis=1, keepdims=True)
-  a_qk = jnp.where(fr.strict, _scores(q, k, parts, mm), jnp.where(fr.diag, qk, 0.0))
-  s_kk = _scores(k, k, parts, mm)
+  a_qk = jnp.where(fr.strict, _scores(q, k, fr, mm), jnp.where(fr.diag, qk, 0.0))
+  s_kk = _scores(k, k, fr, mm)
   inv = invert_unit_lower(jnp.where(fr.strict, beta * s_kk, 0.0), precision)
   decay = jnp.exp(fr.G)
   x_w, bv = beta * sees * k * decay, beta * v
@@ -117,29 +144,31 @@ def _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype, p
   g_last = jnp.sum(jnp.where(at_last, fr.G, 0.0), axis=0, keepdims=True)
   sees_last = jnp.sum(jnp.where(at_last, sees, 0.0), axis=0, keepdims=True)
   dec = sees_last * jnp.exp(g_last)
-  saved = dict(fr=fr, parts=parts, q=q, k=k, v=v, beta=beta, sees=sees, last=last, s_kk=s_kk,
+  saved = dict(fr=fr, q=q, k=k, v=v, beta=beta, sees=sees, last=last, s_kk=s_kk,
                inv=inv, decay=decay, x_w=x_w, bv=bv, q_s=q_s, at_last=at_last, dec=dec)
   return (w, u, a_qk, q_s, k_s, dec), saved
 
 
-def chunk_prep(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm_dtype, precision):
+def chunk_prep(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm_dtype, precision,
+               bounded=True):
   """One chunk: q, k, g [C, K]; v [C, V]; beta, sees (in the entering state's document),
-  last (in the chunk's last one) [C, 1]; doc_c [C, 1], doc_r [1, C] document index. Returns
+  last (in the chunk's last one) [C, 1]; doc_c [C, 1], doc_r [1, C] document index;
+  bounded: g >= LOWER_BOUND (else any g <= 0, the diagonal tiles a column at a time). Returns
   fp32 w, q_s, k_s [C, K], u [C, V], a_qk [C, C], dec [1, K] with v_new = u - w S,
   o = q_s S + a_qk v_new, S <- dec S + k_s^T v_new."""
   outs, _ = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
-                     precision)
+                     precision, bounded)
   return outs
 
 
 def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm_dtype,
-                   precision):
+                   precision, bounded=True):
   """(`chunk_prep`'s outputs, vjp(dw, du, da, dq_s, dk_s, ddec) -> fp32 dq, dk, dv, dg,
   dbeta), the forward recomputed. Score gradients take the fp32 operands, not the mm_dtype
   ones: dg = d log f - d log h cancels, and bf16 rounding would dominate it."""
   outs, sv = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
-                      precision)
-  fr, parts, q, k, inv = sv["fr"], sv["parts"], sv["q"], sv["k"], sv["inv"]
+                      precision, bounded)
+  fr, q, k, inv = sv["fr"], sv["q"], sv["k"], sv["inv"]
   beta, sees, decay = sv["beta"], sv["sees"], sv["decay"]
 
   def vjp(dw, du, da, dqs, dks, ddec):
@@ -165,10 +194,11 @@ def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm
     dqk = jnp.sum(jnp.where(fr.diag, da, 0.0), axis=1, keepdims=True)
     dq = dq + dqk * k
     dk = dk + dqk * q
-    de = 0.0
+    sum_t = lambda mask, x: dot(mask.astype(F32), x, "tn", precision)
+    de = dg_pairs = 0.0
     for x, d_scores, is_q in ((q, jnp.where(fr.strict, da, 0.0), True),
                               (k, beta * da_kk, False)):
-      for f, h, mask, at_end in parts:
+      for f, h, mask, at_end, span in fr.score_parts(k):
         d_p = d_scores if mask is None else jnp.where(mask, d_scores, 0.0)
         lhs, rhs = x * f, k * h
         d_lhs = dot(d_p, rhs, "nn", precision)
@@ -178,13 +208,17 @@ def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm
         else:
           dk = dk + f * d_lhs
         dk = dk + h * d_rhs
+        if span is not None:  # f = e^{sum over span of g}, h = 1
+          dg_pairs = dg_pairs + sum_t(span, lhs * d_lhs)
+          continue
         d_log = lhs * d_lhs - rhs * d_rhs
         if at_end is None:
           de = de + d_log
         else:
           dG = dG + d_log - jnp.where(at_end, jnp.sum(d_log, axis=0, keepdims=True), 0.0)
-    sum_t = lambda mask, x: dot(mask.astype(F32), x, "tn", precision)
-    dg = sum_t(fr.causal, dG) + sum_t(fr.span, de) + sum_t(fr.after, d_to_end)
+    dg = sum_t(fr.causal, dG) + sum_t(fr.after, d_to_end) + dg_pairs
+    if fr.bounded:
+      dg = dg + sum_t(fr.span, de)
     return scale * dq, dk, dv, dg, dbeta
 
   return outs, vjp
