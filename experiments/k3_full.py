@@ -22,16 +22,16 @@ from k3jax import config as k3config
 _V5P_2048 = dict(name="v5:8x8x16", chip_config="megacore", chips_per_host_bounds=(2, 2, 1))
 # One sequence per device: the batch rows split over fsdp x expert. Experts over 128 devices
 # (896 = 2^7 x 7 caps the axis there): each device holds 7 whole experts per layer and
-# all-gathers only their latent shards over fsdp (8), 0.43 GiB of bf16 weights per MoE layer
-# where experts over 8 ways gathered 6.9 GiB (112 experts); the capacity buffers that the
-# all-to-all moves are the same size whatever the split. The other weights are split over
-# fsdp x expert (the `embed` rule): 1,024 ways. Tensor parallelism must divide the vision
-# tower's 12 heads and a physical torus axis (8, 16 on v5p), so it stays 1. The capacity
-# dispatch holds 896 x 147 rows per sequence where the dropless one ("auto") reserves its
-# worst case, 8 x 65,536. Each scanned layer is its own remat region (the backward holds one
-# layer's activations, not a cycle's four), the scan over cycles saves each cycle's AttnRes
-# partial slot instead of the whole 9-slot buffer (22 x 0.49 -> 22 x 0.05 GiB), and the LM
-# head + loss run 512 positions at a time (no [4096, 163840] fp32 logits).
+# all-gathers only their latent shards over fsdp, far less than experts over 8 ways would
+# gather; the capacity buffers that the all-to-all moves are the same size whatever the
+# split. The other weights are split over fsdp x expert (the `embed` rule). Tensor
+# parallelism must divide the vision tower's 12 heads and a physical torus axis (8, 16 on
+# v5p), so it stays 1. The capacity dispatch holds 896 x 147 rows per sequence where the
+# dropless one ("auto") reserves its worst case, 8 x 65,536. Each scanned layer is its own
+# remat region (the backward holds one layer's activations, not a cycle's four), the scan
+# over cycles saves each cycle's AttnRes partial slot, not the whole 9-slot buffer, and the
+# LM head + loss run 512 positions at a time (no [4096, 163840] fp32 logits). The sizes:
+# benchmarks/results/aot_k3_full.md.
 _PRETRAIN = {"mesh.data": 1, "mesh.fsdp": 8, "mesh.expert": 128, "mesh.tensor": 1,
              "train.seq_len": 4_096, "train.global_batch": 1_024, "train.microbatches": 1,
              "train.loss_chunk": 512, "model.remat": "full", "model.remat_scope": "layer",
