@@ -1,6 +1,6 @@
-"""Block Attention Residuals: the direct read, the block bookkeeping (eager, unrolled and
-scanned with traced indices) and the two-phase online-softmax form, against numpy; the scan
-that saves only the partial slot against jax.lax.scan."""
+"""Block Attention Residuals: the direct read and the block bookkeeping (eager, unrolled and
+scanned with traced indices) against numpy; the scan that saves only the partial slot
+against jax.lax.scan."""
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +10,8 @@ from flax import nnx
 from jax.test_util import check_grads
 
 from k3jax.model import attn_res
-from k3jax.model.attn_res import (AttnResQuery, BlockState, attend, init_state, merge,
-                                  num_slots_for, partial_stats, phase1, read, valid_sources,
-                                  write)
+from k3jax.model.attn_res import (AttnResQuery, BlockState, attend, init_state, num_slots_for,
+                                  read, valid_sources, write)
 
 D, B, T, EPS = 16, 2, 3, 1e-5
 
@@ -242,53 +241,3 @@ def test_gradients_match_finite_differences():
   check_grads(f, (w, g), order=1, modes=["rev"], atol=2e-2, rtol=2e-2)
   gw, gg = jax.grad(f, argnums=(0, 1))(jnp.zeros(D), jnp.ones(D))  # at init
   assert np.abs(gw).max() > 0 and np.abs(gg).max() == 0  # gain has no effect while w = 0
-
-
-# ---------------------------------------------------------------------------------------
-# Two-phase inference form.
-
-
-def phase_inputs(case: str):
-  completed = randn(50, 4, B, T, D)      # slots: embedding, 2 blocks, one unused slot
-  valid = np.array([True, True, True, False])
-  partial = randn(51, B, T, D)
-  qs, gs = randn(52, 5, D, scale=0.7), 1 + randn(53, 5, D, scale=0.3)
-  if case != "mixed":
-    u = np.sign(partial[0, 0])           # partial[0, 0] has the largest key along u
-    sign = 1.0 if case == "partial_dominates" else -1.0
-    qs = qs + sign * 8.0 * u / np.sqrt(D) / gs
-  return completed, valid, partial, qs, gs
-
-
-@pytest.mark.parametrize("case", ["mixed", "partial_dominates", "partial_negligible"])
-def test_two_phase_matches_direct(case):
-  completed, valid, partial, qs, gs = phase_inputs(case)
-  o1, m1, l1 = jax.jit(phase1, static_argnums=4)(completed, valid, qs, gs, EPS)
-  assert o1.shape == (5, B, T, D) and m1.shape == l1.shape == (5, B, T)
-
-  @jax.jit
-  def merged(o1, m1, l1, partial, q, g):
-    return merge(o1, m1, l1, *partial_stats(partial, q, g, EPS))
-
-  @jax.jit
-  def direct(q, g):
-    return attend(jnp.concatenate([completed, partial[None]]), jnp.append(valid, True), q, g, EPS)
-
-  weights = []
-  for j in range(5):
-    h2 = merged(o1[j], m1[j], l1[j], partial, qs[j], gs[j])
-    h = direct(qs[j], gs[j])
-    np.testing.assert_allclose(h2, h, rtol=2e-6, atol=2e-6)
-    np.testing.assert_allclose(h2, ref_attend([*completed[valid], partial], qs[j], gs[j]),
-                               rtol=1e-5, atol=1e-5)
-    # the first sublayer of a block has no partial term: h = o1 / l1
-    np.testing.assert_allclose(o1[j] / l1[j][..., None],
-                               ref_attend(completed[valid], qs[j], gs[j]), rtol=1e-5, atol=1e-5)
-    _, m2, _ = partial_stats(partial, qs[j], gs[j], EPS)
-    weights.append(np.exp(m2 - np.maximum(m1[j], m2)) / (
-        np.exp(m1[j] - np.maximum(m1[j], m2)) * l1[j] + np.exp(m2 - np.maximum(m1[j], m2))))
-  w_partial = np.asarray(weights)[:, 0, 0]   # the partial's softmax weight at [0, 0]
-  if case == "partial_dominates":
-    assert (w_partial > 1 - 1e-6).all()
-  elif case == "partial_negligible":
-    assert (w_partial < 1e-6).all()

@@ -2,7 +2,7 @@
 block outputs, h = sum_i alpha_i v_i, alpha = softmax(w . (RMSNorm(v_i) * g)), in fp32.
 
 `BlockState` is a fixed buffer [S, B, T, d] a scan can carry (embedding, completed blocks,
-partial); `phase1`, `partial_stats`, `merge` are the two-phase inference form."""
+partial)."""
 
 from __future__ import annotations
 
@@ -151,34 +151,3 @@ def scan(step, state: BlockState, xs):
 
   run.defvjp(fwd, bwd)
   return run(state, xs)
-
-
-# Two-phase inference form. o is the UNNORMALISED sum  sum_i e^{s_i - m} v_i  and
-# l = sum_i e^{s_i - m}, so h = o / l and two parts merge exactly as spec 3 writes it.
-
-
-def phase1(sources: jax.Array, valid: jax.Array | None, queries: jax.Array,
-           key_gains: jax.Array, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Q queries vs the completed sources -> o1 [Q, B, T, d], m1, l1 [Q, B, T] fp32."""
-  logits = _masked(_logits(sources, queries, key_gains, eps), valid)     # [Q, S, B, T]
-  m = jnp.max(logits, axis=1)
-  p = jnp.exp(logits - m[:, None])
-  o = jnp.einsum("qsbt,sbtd->qbtd", p, sources.astype(jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
-  return o, m, jnp.sum(p, axis=1)
-
-
-def partial_stats(partial: jax.Array, query: jax.Array, key_gain: jax.Array,
-                  eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(o2, m2, l2) of the single partial-sum source [B, T, d]: (v, s, 1), fp32."""
-  m = _logits(partial[None], query[None], key_gain[None], eps)[0, 0]     # [B, T]
-  return partial.astype(jnp.float32), m, jnp.ones_like(m)
-
-
-def merge(o1: jax.Array, m1: jax.Array, l1: jax.Array, o2: jax.Array, m2: jax.Array,
-          l2: jax.Array) -> jax.Array:
-  """h = (e^{m1-M} o1 + e^{m2-M} o2) / (e^{m1-M} l1 + e^{m2-M} l2) in fp32."""
-  big = jnp.maximum(m1, m2)
-  a1, a2 = jnp.exp(m1 - big), jnp.exp(m2 - big)
-  num = a1[..., None] * o1 + a2[..., None] * o2
-  return num / (a1 * l1 + a2 * l2)[..., None]
