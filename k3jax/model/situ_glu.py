@@ -47,8 +47,7 @@ class GLUMLP(nnx.Module):
     self.w_g = Dense(d_in, hidden, (axes_in, "mlp"), **kw)
     self.w_u = Dense(d_in, hidden, (axes_in, "mlp"), **kw)
     self.w_d = Dense(hidden, d_in, ("mlp", axes_in), **kw)
-    if activation not in ACTIVATIONS:
-      raise ValueError(f"unknown GLU activation {activation!r}; known: {ACTIVATIONS}")
+    glu_activation(activation)  # a ValueError here, not at the first call
     self.activation, self.b1, self.b2 = activation, b1, b2
     self.dtype = dtype
 
