@@ -4,10 +4,9 @@ Per chunk, with G the cumulative log-decay [C, K] (the UT transform, then the st
     A_kk = StrictTril(diag(beta) (K e^G)(K e^-G)^T);  [u, w] = (I + A_kk)^-1 [beta V, beta K e^G]
     o = (scale Q e^G) S + Tril((scale Q e^G)(K e^-G)^T) (u - w S)
     S <- e^{G_last} S + (K e^{G_last - G})^T (u - w S)
-e^{G_t - G_j} is split into row and column factors per sub-chunk of L tokens (nothing is
-[C, C, K]); they stay within e^{|LOWER_BOUND| (L - 1)} only if LOWER_BOUND <= g <= 0. An
-unbounded gate (Kimi Linear's softplus, `bounded_gate=False`) takes the diagonal L-blocks
-elementwise instead, e^{G_t - G_j} <= 1 for each pair ([C, L, K] a chunk)."""
+e^{G_t - G_j} is split into row and column factors per sub-chunk of L tokens, bounded by
+e^{|LOWER_BOUND| (L - 1)} if LOWER_BOUND <= g <= 0; an unbounded gate (`bounded_gate=False`)
+takes the diagonal L-blocks elementwise instead ([C, L, K] a chunk)."""
 
 from __future__ import annotations
 

@@ -76,8 +76,7 @@ class _Frame:
     return dot(mask.astype(F32), x, "nn", self.precision)
 
   def pair_part(self, jj):
-    """The diagonal tiles' column jj (an unbounded gate): row t against s = its tile's start
-    + jj, f_t = e^{G_t - G_s} <= 1 summed directly over (s, t] (`span` [C, C]); h = 1."""
+    """Diagonal tiles' column jj: f_t = e^{G_t - G_s}, s = t's tile start + jj; h = 1."""
     ref = (self.t & -self.sub) + jj
     column = self.j == ref
     doc_ref = jnp.sum(jnp.where(column, self.doc_r, 0), axis=1, keepdims=True)
@@ -88,10 +87,9 @@ class _Frame:
 
   def score_parts(self, k):
     """scores(x) = sum over parts (f, h, mask, at_end, span) of mask * ((x f) (k h)^T): the
-    diagonal tiles' (e^e, e^-e) for a bounded gate, else their `pair_part`s one column a
-    part (made afresh at each use: sixteen [C, K] factors held at once would not fit a GPU
-    program's registers); then per column tile with a tile after it (e^{G - G_end},
-    e^{G_end - G}), G_end at its last token (`at_end` [C, 1])."""
+    diagonal tiles' (e^e, e^-e), or (unbounded gate) their `pair_part`s, made at each use
+    so their factors are not all live at once; then per column tile with a tile after it
+    (e^{G - G_end}, e^{G_end - G}), G_end at its last token (`at_end` [C, 1])."""
     if self._parts is None:
       self._parts = self._tile_parts(k)
     if self.bounded:
@@ -153,7 +151,7 @@ def chunk_prep(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm_dty
                bounded=True):
   """One chunk: q, k, g [C, K]; v [C, V]; beta, sees (in the entering state's document),
   last (in the chunk's last one) [C, 1]; doc_c [C, 1], doc_r [1, C] document index;
-  bounded: g >= LOWER_BOUND (else any g <= 0, the diagonal tiles a column at a time). Returns
+  bounded: g >= LOWER_BOUND, else any g <= 0. Returns
   fp32 w, q_s, k_s [C, K], u [C, V], a_qk [C, C], dec [1, K] with v_new = u - w S,
   o = q_s S + a_qk v_new, S <- dec S + k_s^T v_new."""
   outs, _ = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
