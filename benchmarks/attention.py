@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import time_jax
+from harness import time_jax
 from pallas_kernels.attention import (attention_reference, flash_cuda, flash_gpu, max_logit,
                                       max_logit_gpu, unique_padding_ids)
 

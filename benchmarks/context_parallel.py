@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kda import rel_rms, time_jax
+from harness import rel_rms, time_jax
 from pallas_kernels import kda as kda_ops
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import rel_rms, time_jax
+from harness import rel_rms, time_jax
 from pallas_kernels.grouped_matmul import grouped_matmul, kernel, kernel_ws
 
 CEILING_TFLOPS = 669.0  # ANCHORS.md: batched einsum [E, C, K] x [E, K, N], fwd+bwd, H200

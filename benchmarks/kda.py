@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harness import rel_rms, time_jax, time_torch
 from pallas_kernels.kda import kda_chunk, kda_pallas
 
 TOL = {"o": 0.005, "state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,
@@ -42,11 +43,6 @@ VARIANTS = {"save": dict(save_states=True), "recompute": dict(save_states=False)
             "preptf32x3": dict(prep_precision="tf32x3"),
             "nost": dict(states_block_v=0, states_warps=0),
             **{f"s{n}": dict(spans=n) for n in (1, 2, 4, 8, 16, 32, 64)}}
-
-
-def rel_rms(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / (np.linalg.norm(b) or 1.0))
 
 
 def make_inputs(seed, B, T, H, D):
@@ -66,19 +62,6 @@ def flops(B, T, H, D, C=64):
   backward is counted as twice that."""
   per_chunk = 4 * C * C * D + 2 * C * C * 2 * D + 2 * C * C * D + 6 * C * D * D
   return B * H * (T // C) * per_chunk
-
-
-def time_jax(fn, args, reps=20):
-  """Median of 5 groups of `reps` back-to-back calls, in ms."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / reps * 1e3)
-  return float(np.median(times))
 
 
 def jax_fns(impl):
@@ -221,7 +204,6 @@ def run_reference(x, gate_dtype="bfloat16"):
 
 def run_fla(x, reps):
   import torch  # noqa: PLC0415
-  import triton  # noqa: PLC0415
   from fla.ops.kda import chunk_kda  # noqa: PLC0415
   dev = "cuda"
   tb = lambda n: torch.tensor(x[n], device=dev).to(torch.bfloat16)
@@ -244,12 +226,7 @@ def run_fla(x, reps):
   o, ht = fwd_bwd()
   res = dict(zip(NAMES, [o, ht] + [t.grad for t in leaves]))
   res = {n: a.detach().float().cpu().numpy() for n, a in res.items()}
-  with torch.no_grad():
-    res["fwd_ms"] = triton.testing.do_bench(fwd, warmup=25, rep=100 * reps // 20,
-                                            return_mode="median")
-  res["fwd_bwd_ms"] = triton.testing.do_bench(fwd_bwd, warmup=25, rep=200 * reps // 20,
-                                              grad_to_none=leaves, return_mode="median")
-  return res
+  return res | time_torch(fwd, fwd_bwd, reps, grad_to_none=leaves)
 
 
 def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, interpret=False,

@@ -43,12 +43,12 @@ import jax.numpy as jnp
 from absl import flags
 from flax import nnx
 
+from harness import time_jax, write_table
 from k3jax import cli
 from k3jax import config as k3config
 from k3jax import steps
 from k3jax.model import latent_moe, layers, moe_dispatch
 from k3jax.model.situ_glu import glu_activation
-from kda import time_jax
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 CEILING_TFLOPS = 669.0  # ANCHORS.md: batched einsum [E, C, K] x [E, K, N], fwd+bwd, H200
@@ -218,11 +218,7 @@ def main(argv):
       lines.append(row)
     lines.append(f"| {dispatch} | {factor or '-'} | dropped pairs | {dropped} of {pairs} "
                  f"({dropped / pairs:.2%}) | | | | |")
-  table = "\n".join(lines)
-  print("\n" + table)
-  if _OUT.value:
-    with open(_OUT.value, "w") as f:
-      f.write(table + "\n")
+  write_table(lines, _OUT.value)
 
 
 if __name__ == "__main__":

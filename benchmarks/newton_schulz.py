@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harness import write_table
 from pallas_kernels.newton_schulz import (COEFFS, newton_schulz, newton_schulz_gpu,
                                           newton_schulz_reference, uses_gram_kernel)
 
@@ -211,11 +212,7 @@ def main():
     del inputs, ref
   if args.spectra:
     lines += spectrum_errors((16, 128, 7168), args.variants)
-  table = "\n".join(lines)
-  print("\n" + table)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(table + "\n")
+  write_table(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kda import rel_rms, time_jax
+from harness import rel_rms, time_jax, time_torch
 from pallas_kernels.short_conv import short_conv_pallas, short_conv_reference
 
 W = 4  # k3's conv_size
@@ -68,7 +68,6 @@ def run_fla(inp, normalize, reps):
   tokens cut into the documents by cu_seqlens; its weight [H D, W] holds our tap j in
   column W - 1 - j."""
   import torch  # noqa: PLC0415
-  import triton  # noqa: PLC0415
   from fla.modules.causal_conv1d import causal_conv1d  # noqa: PLC0415
   from fla.modules.norm.l2norm import l2norm  # noqa: PLC0415
   B, T, H, D = inp["x"].shape
@@ -98,12 +97,7 @@ def run_fla(inp, normalize, reps):
   res = dict(y=y.float().view(B, T, H, D), dx=x.grad.float().view(B, T, H, D),
              dw=w.grad.float().T.reshape(W, H, D).flip(0))
   res = {n: a.detach().cpu().numpy() for n, a in res.items()}
-  with torch.no_grad():
-    res["fwd_ms"] = triton.testing.do_bench(fwd, warmup=25, rep=100 * reps // 20,
-                                            return_mode="median")
-  res["fwd_bwd_ms"] = triton.testing.do_bench(fwd_bwd, warmup=25, rep=200 * reps // 20,
-                                              grad_to_none=[x, w], return_mode="median")
-  return res
+  return res | time_torch(fwd, fwd_bwd, reps, grad_to_none=[x, w])
 
 
 def main():

@@ -1,0 +1,54 @@
+"""What the benchmark scripts share: timing JAX functions and fla's Torch ones, the relative
+error of a result, and writing a markdown table. benchmarks/ is not a package: a script
+imports this as `harness` (its folder is on sys.path when it runs)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+
+def time_jax(fn, args, reps=20):
+  """Median of 5 groups of `reps` back-to-back calls fn(*args), in ms, after a first call:
+  no wait between the calls of a group, as a step runs its kernels."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / reps * 1e3)
+  return float(np.median(times))
+
+
+def time_torch(fwd, fwd_bwd, reps, grad_to_none):
+  """{"fwd_ms", "fwd_bwd_ms"}: Triton's `do_bench` medians of fwd (without autograd) and
+  fwd_bwd (the leaves' grads in grad_to_none reset between calls), over a span that grows
+  with reps as `time_jax`'s does."""
+  import torch  # noqa: PLC0415
+  import triton  # noqa: PLC0415
+  with torch.no_grad():
+    fwd_ms = triton.testing.do_bench(fwd, warmup=25, rep=100 * reps // 20,
+                                     return_mode="median")
+  fwd_bwd_ms = triton.testing.do_bench(fwd_bwd, warmup=25, rep=200 * reps // 20,
+                                       grad_to_none=grad_to_none, return_mode="median")
+  return dict(fwd_ms=fwd_ms, fwd_bwd_ms=fwd_bwd_ms)
+
+
+def rel_rms(a, b):
+  """||a - b|| / ||b|| in float64 (||a - b|| where b is all zeros)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / (np.linalg.norm(b) or 1.0))
+
+
+def write_table(lines, out=None):
+  """Prints the markdown table `lines` after a blank line and, given a path `out`, writes
+  it there too."""
+  table = "\n".join(lines)
+  print("\n" + table)
+  if out:
+    with open(out, "w") as f:
+      f.write(table + "\n")
