@@ -299,7 +299,7 @@ def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, int
           (q, k, v, g, beta, *masks, dw, dvn, da, dqs, dks, ddec))
 
 
-def main():
+def parse_args():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", nargs="+", default=["8,4096,16,128"])
   p.add_argument("--peer", default="fla", choices=["fla", "none"])
@@ -335,80 +335,127 @@ def main():
                       "block for the transitions' rows, the chain and rec_fwd alike")
   p.add_argument("--bwd", default="w8:tf32,w4:tf32",
                  help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
-  a = p.parse_args()
-  variants = {n: dict(interpret=a.interpret) for n in a.variants.split(",")}
+  return p.parse_args()
+
+
+def parse_variants(spec, interpret):
+  """--variants "save,c16+recompute" -> {name: kda_pallas keywords}; '+' combines VARIANTS."""
+  variants = {n: dict(interpret=interpret) for n in spec.split(",")}
   for n, kw in variants.items():
     for part in n.split("+"):
       kw.update(VARIANTS[part])
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-  if a.layer:
-    for shape in a.shapes:
-      B, T = map(int, shape.split(",")[:2])
-      print(f"{B} x {T} tokens", flush=True)
-      layer(B, T, a.reps, a.layer_backends.split(","), profile=a.profile)
-    return
-  if a.breakdown:
-    def tunings(spec, kernel):  # "w4:tf32x3,w8:tf32" -> {item: {kernel_warps, kernel_precision}}
-      return {item: {f"{kernel}_warps": int(item.split(":")[0][1:]),
-                     f"{kernel}_precision": item.split(":")[1]} for item in spec.split(",")}
+  return variants
 
-    def rec_tuning(item):  # "w4:bv64:s8" -> the Config fields
-      return dict(rec_warps=int(item.split(":")[0][1:]), block_v=int(item.split(":")[1][2:]),
-                  spans=int((item.split(":")[2:] or ["s1"])[0][1:]), states_block_v=0,
-                  states_warps=0)
 
-    for shape in a.shapes:
-      print(shape, flush=True)
-      # each item for both recurrences, rec_fwd saving states too (no states_block_v)
-      rec = {item: rec_tuning(item) for item in a.rec.split(",")}
-      breakdown(tuple(map(int, shape.split(","))), tunings(a.prep, "prep"), rec,
-                [int(w) for w in a.cots.split(",")], tunings(a.bwd, "bwd"), a.reps,
-                a.interpret, a.chunk, a.gate_dtype,
-                {item: dict(rec_tuning(item), transition_block=rec_tuning(item)["block_v"],
-                            chain_block=rec_tuning(item)["block_v"])
-                 for item in a.spans.split(",") if item})
-    return
+def tunings(spec, kernel):
+  """--prep / --bwd "w4:tf32x3,w8:tf32" -> {item: {kernel_warps, kernel_precision}}."""
+  return {item: {f"{kernel}_warps": int(item.split(":")[0][1:]),
+                 f"{kernel}_precision": item.split(":")[1]} for item in spec.split(",")}
+
+
+def rec_tuning(item):
+  """--rec / --spans item "w4:bv64:s8" -> the Config fields: each item for both
+  recurrences, rec_fwd saving states too (no states_block_v)."""
+  return dict(rec_warps=int(item.split(":")[0][1:]), block_v=int(item.split(":")[1][2:]),
+              spans=int((item.split(":")[2:] or ["s1"])[0][1:]), states_block_v=0,
+              states_warps=0)
+
+
+def run_layers(a):
+  """--layer: k3_small's KDA layer per shape (B,T) and --layer_backends item."""
+  for shape in a.shapes:
+    B, T = map(int, shape.split(",")[:2])
+    print(f"{B} x {T} tokens", flush=True)
+    layer(B, T, a.reps, a.layer_backends.split(","), profile=a.profile)
+
+
+def run_breakdowns(a):
+  """--breakdown: the pieces' times per shape, per tuning of --prep, --rec, --cots, --bwd,
+  --spans."""
+  for shape in a.shapes:
+    print(shape, flush=True)
+    rec = {item: rec_tuning(item) for item in a.rec.split(",")}
+    breakdown(tuple(map(int, shape.split(","))), tunings(a.prep, "prep"), rec,
+              [int(w) for w in a.cots.split(",")], tunings(a.bwd, "bwd"), a.reps,
+              a.interpret, a.chunk, a.gate_dtype,
+              {item: dict(rec_tuning(item), transition_block=rec_tuning(item)["block_v"],
+                          chain_block=rec_tuning(item)["block_v"])
+               for item in a.spans.split(",") if item})
+
+
+def run_impls(a, variants, shape, x):
+  """(impls, refs) at one shape: name -> outputs, gradients and times of our variants,
+  fla's (--peer fla) and the chunked form's (--chunk_form); refs: the results compared with
+  (ours, fla's, and with --reference the fp32 chunked form's)."""
+  t0 = time.time()
+  impls = {f"ours[{n}]": r
+           for n, r in run_ours(x, variants, a.reps, gate_dtype=a.gate_dtype,
+                                profile=a.profile).items()}
+  print(f"{shape}: ours done ({time.time() - t0:.0f} s): " + ", ".join(
+      f"{n} fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms"
+      for n, r in impls.items()), flush=True)
+  if a.peer == "fla":
+    t0 = time.time()
+    impls["fla"] = r = run_fla(x, a.reps)
+    print(f"{shape}: fla done ({time.time() - t0:.0f} s): fwd {r['fwd_ms']:.2f} ms, "
+          f"fwd+bwd {r['fwd_bwd_ms']:.2f} ms", flush=True)
+  refs = {n: r for n, r in impls.items()}
+  if a.chunk_form:
+    impls["chunk form (XLA, bf16, chunk 32)"] = run_chunk_form(x, a.reps)
+  if a.reference:
+    refs["ref32"] = run_reference(x, a.gate_dtype)
+  return impls, refs
+
+
+def agreement(impls, refs):
+  """name -> {other: relative RMS per output in NAMES} against the fp32 reference and
+  between ours and fla's; each printed against TOL."""
+  out = {}
+  for name, r in impls.items():
+    agree = {}
+    for other, ref in refs.items():
+      if other != name and (other == "ref32" or other == "fla" or name == "fla"):
+        agree[other] = {n: rel_rms(r[n], ref[n]) for n in NAMES}
+    for other, errs in agree.items():
+      bad = [n for n in NAMES if not errs[n] < TOL[n]]
+      print(f"  {name} vs {other}: " + " ".join(f"{n} {errs[n]:.1e}" for n in NAMES)
+            + (f"  OVER TOLERANCE: {bad}" if bad else "  (within fla's bf16 tolerances)"))
+    out[name] = agree
+  return out
+
+
+def compare(a, variants):
+  """Ours vs fla (and the references) per shape: agreement and times printed, written to
+  <--out>/kda_bench.json after each shape, then a markdown table of the times."""
   rows, dump = [], {}
   for shape in a.shapes:
     B, T, H, D = map(int, shape.split(","))
-    x = make_inputs(0, B, T, H, D)
-    t0 = time.time()
-    impls = {f"ours[{n}]": r
-             for n, r in run_ours(x, variants, a.reps, gate_dtype=a.gate_dtype,
-                                                    profile=a.profile).items()}
-    print(f"{shape}: ours done ({time.time() - t0:.0f} s): " + ", ".join(
-        f"{n} fwd {r['fwd_ms']:.2f} ms, fwd+bwd {r['fwd_bwd_ms']:.2f} ms"
-        for n, r in impls.items()), flush=True)
-    if a.peer == "fla":
-      t0 = time.time()
-      impls["fla"] = r = run_fla(x, a.reps)
-      print(f"{shape}: fla done ({time.time() - t0:.0f} s): fwd {r['fwd_ms']:.2f} ms, "
-            f"fwd+bwd {r['fwd_bwd_ms']:.2f} ms", flush=True)
-    refs = {n: r for n, r in impls.items()}
-    if a.chunk_form:
-      impls["chunk form (XLA, bf16, chunk 32)"] = run_chunk_form(x, a.reps)
-    if a.reference:
-      refs["ref32"] = run_reference(x, a.gate_dtype)
+    impls, refs = run_impls(a, variants, shape, make_inputs(0, B, T, H, D))
     fl = flops(B, T, H, D)
-    for name, r in impls.items():
-      agree = {}
-      for other, ref in refs.items():
-        if other != name and (other == "ref32" or other == "fla" or name == "fla"):
-          agree[other] = {n: rel_rms(r[n], ref[n]) for n in NAMES}
+    for name, agree in agreement(impls, refs).items():
+      r = impls[name]
       rows.append((shape, name, r["fwd_ms"], r["fwd_bwd_ms"], fl / r["fwd_ms"] / 1e9,
-                   3 * fl / r["fwd_bwd_ms"] / 1e9, agree))
+                   3 * fl / r["fwd_bwd_ms"] / 1e9))
       dump[f"{shape} {name}"] = dict(fwd_ms=r["fwd_ms"], fwd_bwd_ms=r["fwd_bwd_ms"],
                                      agree=agree)
-      for other, errs in agree.items():
-        bad = [n for n in NAMES if not errs[n] < TOL[n]]
-        print(f"  {name} vs {other}: " + " ".join(f"{n} {errs[n]:.1e}" for n in NAMES)
-              + (f"  OVER TOLERANCE: {bad}" if bad else "  (within fla's bf16 tolerances)"))
     with open(os.path.join(a.out, "kda_bench.json"), "w") as f:
       json.dump(dump, f, indent=1)
   print("\n| B, T, H, D | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
   print("|---|---|---|---|---|---|")
-  for shape, name, f_ms, fb_ms, f_tf, fb_tf, _ in rows:
+  for shape, name, f_ms, fb_ms, f_tf, fb_tf in rows:
     print(f"| {shape} | {name} | {f_ms:.2f} | {fb_ms:.2f} | {f_tf:.0f} | {fb_tf:.0f} |")
+
+
+def main():
+  a = parse_args()
+  variants = parse_variants(a.variants, a.interpret)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  if a.layer:
+    run_layers(a)
+  elif a.breakdown:
+    run_breakdowns(a)
+  else:
+    compare(a, variants)
 
 
 if __name__ == "__main__":

@@ -156,28 +156,8 @@ def wait_for_sharers():
   fcntl.flock(os.open(share / "lock", os.O_WRONLY | os.O_CREAT, 0o644), fcntl.LOCK_EX)
 
 
-def main(argv):
-  del argv
-  if _SHARERS.value > 1 and (_VARIANTS.value or _NS_BLOCKS.value):
-    raise app.UsageError("--sharers times the train step only: add --variants= --nons_blocks")
-  if _SHARERS.value > 1 and not _SHARE_DIR.value:
-    raise app.UsageError("--sharers needs --share_dir: a new directory, the same for all")
-  cfg = k3config.validate(cli.CONFIG.value)
-  t = cfg.train
-  dev = jax.devices()[0]
-  print(f"# {cfg.model.num_layers} layers, d {cfg.model.d_model}; batch {t.global_batch} x "
-        f"{t.seq_len}; {dev.device_kind}; jax {jax.__version__}; "
-        f"{datetime.date.today().isoformat()}", flush=True)
-
-  # The program k3jax.train runs (donating its state), on a mesh over --devices devices.
-  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))
-  abs_params = prog.abstract_params
-  with prog.rules():
-    params, _, opt_state = prog.init()
-  del opt_state
-  batch = first_batch(cfg)
-
-  # The optimizer steps first: they compile in seconds, the train step in minutes.
+def time_optimizer_steps(cfg, abs_params, params) -> dict[str, float]:
+  """Median seconds of each --variants optimizer step (update + apply) on fixed gradients."""
   grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
   opt_times = {}
   for variant in _VARIANTS.value:
@@ -192,17 +172,13 @@ def main(argv):
     opt_times[variant] = timed(jax.jit(opt_step), params, state, grads, reps=_REPS.value)[0]
     print(f"# optimizer step {variant}: {opt_times[variant] * 1e3:.2f} ms", flush=True)
     del state
-  del grads
-  if _NS_BLOCKS.value:
-    ns_blocks(cfg, abs_params)
-  if not _TRAIN_STEP.value:
-    return
+  return opt_times
 
-  print(f"# optimizer: {optim.describe(cfg, abs_params)}", flush=True)
-  del params
-  print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}, "
-        f"cast_params_once {t.cast_params_once}", flush=True)
-  batch = jax.device_put(batch, prog.batch_shardings)
+
+def time_train_step(prog, batch, t):
+  """(compiled step, seconds of --reps steps after 2 warm-up ones, every step's loss, the
+  last loss): prog's train step on batch (placed as prog's batch shardings), fresh state;
+  with --profile_dir one more step traced, its HLO beside the trace."""
   with prog.rules():
     state = prog.init()
     t0 = time.perf_counter()
@@ -225,13 +201,15 @@ def main(argv):
         jax.block_until_ready(out)
       # the program's HLO, whose op names gpu_trace.py maps kernels to components by
       pathlib.Path(_PROFILE_DIR.value, "train_step.hlo.txt").write_text(step.as_text())
-  print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
-  step_time = float(np.median(times))
-  loss = float(out["loss"])
+  return step, times, losses, float(out["loss"])
+
+
+def print_tables(cfg, dev, step, step_time, loss, opt_times):
+  """The train step's row (time, tokens/s, MFU, memory) and the optimizer steps' shares."""
+  t = cfg.train
   # The allocator's peak over the whole script (the optimizer steps above peak lower).
   peak_gib = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
   temp_gib = step.memory_analysis().temp_size_in_bytes / 2**30
-  del state, out
   tokens_per_s = t.global_batch * t.seq_len / step_time / _DEVICES.value  # per device
   fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
   peak = flops.peak_flops(dev)
@@ -243,6 +221,44 @@ def main(argv):
   print("\n| optimizer step | time | share of the train step |\n|---|---|---|")
   for variant, secs in opt_times.items():
     print(f"| {variant} | {secs * 1e3:.2f} ms | {secs / step_time:.1%} |", flush=True)
+
+
+def main(argv):
+  del argv
+  if _SHARERS.value > 1 and (_VARIANTS.value or _NS_BLOCKS.value):
+    raise app.UsageError("--sharers times the train step only: add --variants= --nons_blocks")
+  if _SHARERS.value > 1 and not _SHARE_DIR.value:
+    raise app.UsageError("--sharers needs --share_dir: a new directory, the same for all")
+  cfg = k3config.validate(cli.CONFIG.value)
+  t = cfg.train
+  dev = jax.devices()[0]
+  print(f"# {cfg.model.num_layers} layers, d {cfg.model.d_model}; batch {t.global_batch} x "
+        f"{t.seq_len}; {dev.device_kind}; jax {jax.__version__}; "
+        f"{datetime.date.today().isoformat()}", flush=True)
+
+  # The program k3jax.train runs (donating its state), on a mesh over --devices devices.
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))
+  abs_params = prog.abstract_params
+  with prog.rules():
+    params, _, opt_state = prog.init()
+  del opt_state
+  batch = first_batch(cfg)
+
+  # The optimizer steps first: they compile in seconds, the train step in minutes.
+  opt_times = time_optimizer_steps(cfg, abs_params, params)
+  if _NS_BLOCKS.value:
+    ns_blocks(cfg, abs_params)
+  if not _TRAIN_STEP.value:
+    return
+
+  print(f"# optimizer: {optim.describe(cfg, abs_params)}", flush=True)
+  del params
+  print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}, "
+        f"cast_params_once {t.cast_params_once}", flush=True)
+  batch = jax.device_put(batch, prog.batch_shardings)
+  step, times, losses, loss = time_train_step(prog, batch, t)
+  print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
+  print_tables(cfg, dev, step, float(np.median(times)), loss, opt_times)
 
 
 def main_or_mark_failed(argv):
