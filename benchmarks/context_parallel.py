@@ -67,7 +67,7 @@ def main():
     run = fwd_bwd(seg, backend=args.backend, mesh=mesh, seq_axis="context")
     context_ms = time_jax(run, placed, args.reps)
     got = run(*placed)
-    want = fwd_bwd(jnp.asarray(x["seg"]), backend="chunk")(
+    want = fwd_bwd(jnp.asarray(x["seg"]), backend="reference")(
         *[jnp.asarray(x[k]) for k in names])
     print(json.dumps(dict(
         device=devices[0].device_kind, devices=n, jax=jax.__version__, shape=[B, T, H, D],

@@ -106,7 +106,7 @@ def run_chunk_form(x, reps):
   return run_ours(x, {"chunk": dict(chunk_size=32)}, reps, impl=kda_chunk)["chunk"]
 
 
-def layer(B, T, reps, backends=("kernel:16", "chunk:32"), profile=None):
+def layer(B, T, reps, backends=("kernel:16", "reference:32"), profile=None):
   """k3_small's KDA layer (projections, short convs, norms, gates: `k3jax.model.kda.KDA`)
   forward+backward on [B, T, d] bf16 activations packed with two documents per row, per
   backend:chunk[:conv backend] (default conv backend "auto"); prints ms. profile: a folder
@@ -320,7 +320,7 @@ def parse_args():
   p.add_argument("--breakdown", action="store_true", help="time the pieces (GPU)")
   p.add_argument("--layer", action="store_true",
                  help="time k3_small's KDA layer, kernel vs chunk form (shapes: B,T)")
-  p.add_argument("--layer_backends", default="kernel:16,chunk:32",
+  p.add_argument("--layer_backends", default="kernel:16,reference:32",
                  help="with --layer: backend:chunk_size[:conv_backend] items to time")
   p.add_argument("--profile", default=None, help="trace our variants (or with --layer, the "
                  "layer) to this folder and print the costliest device ops")

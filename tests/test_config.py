@@ -82,11 +82,19 @@ def test_the_softplus_gate_runs_on_every_backend():
   c = load("k3_full")
   c.model.kda.gate = "softplus"
   c.model.kda.gate_lower_bound = -10.0
-  for backend in ("auto", "chunk", "naive", "kernel", "interpret"):
+  for backend in ("auto", "reference", "naive", "kernel", "interpret"):
     c.model.kda.backend = backend
     k3config.validate(c)
   c.model.kda.gate = "bounded"
   with pytest.raises(k3config.ConfigError, match="gate_lower_bound: -10.0 is below -5"):
+    k3config.validate(c)
+
+
+def test_an_old_kda_backend_name_is_told_its_new_one():
+  c = load("k3_tiny")
+  c.model.kda.backend = "chunk"
+  with pytest.raises(k3config.ConfigError, match="model.kda.backend: 'chunk' was renamed "
+                                                 "'reference'"):
     k3config.validate(c)
 
 

@@ -69,8 +69,8 @@ def _kda_run(backend, **where):
 
 
 @pytest.mark.parametrize("context,backend,batch,heads", [
-    (2, "chunk", None, None), (4, "chunk", None, None), (8, "chunk", None, None),
-    (2, "chunk", "data", "tensor"), (4, "interpret", "data", None)])
+    (2, "reference", None, None), (4, "reference", None, None), (8, "reference", None, None),
+    (2, "reference", "data", "tensor"), (4, "interpret", "data", None)])
 def test_kda_split_over_context_equals_one_device(context, backend, batch, heads):
   """Each device runs its slice; the states entering the slices come from the chain of the
   slices' affine maps. Output, final state and every gradient (the initial state's too)
@@ -97,7 +97,7 @@ def test_kda_chunk_halves_to_fit_a_slice(monkeypatch):
 
   monkeypatch.setattr(kda_ops, "kda_chunk", recording)
   want = kda_ops.kda(*args[:5], segment_ids=seg, backend="naive")
-  got = jax.jit(lambda *a: kda_ops.kda(*a, segment_ids=seg, backend="chunk", mesh=_mesh(4),
+  got = jax.jit(lambda *a: kda_ops.kda(*a, segment_ids=seg, backend="reference", mesh=_mesh(4),
                                        seq_axis="context"))(*args[:5])
   assert set(chunks) == {16} and _rel(got, want) < 1e-5
 

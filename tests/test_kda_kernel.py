@@ -249,7 +249,7 @@ def test_kernel_unaligned_head_dims():
 
 
 def test_dispatcher_backends():
-  """"interpret" is kda_pallas in interpret mode; "auto" is "chunk" on CPU and the kernel
+  """"interpret" is kda_pallas in interpret mode; "auto" is "reference" on CPU and the kernel
   on GPU (Triton, chunk 16 unless named) and TPU (Mosaic, chunk 64); the error lists every
   backend."""
   q, k, v, g, beta, h0 = make_inputs(10, 1, 20, 1, 16, 16)

@@ -13,7 +13,7 @@ from pallas_kernels.kda import LOWER_BOUND, kda, kda_chunk, kda_naive, resolve_b
 RTOL_FP32 = 1e-4  # chunk vs naive, fp32, relative RMS
 RTOL_BF16 = 1e-2  # chunk on bf16 inputs vs naive on the fp32 originals
 RTOL_FP64 = 1e-5  # naive (fp32) vs float64 numpy
-BACKENDS = {"chunk": kda_chunk, "naive": kda_naive}
+BACKENDS = {"reference": kda_chunk, "naive": kda_naive}
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
@@ -165,7 +165,7 @@ def test_packed_documents():
 
   results = {}
   for backend, fn in [("naive", kda_naive),
-                      ("chunk", functools.partial(kda_chunk, chunk_size=32, sub_chunk_size=8))]:
+                      ("reference", functools.partial(kda_chunk, chunk_size=32, sub_chunk_size=8))]:
     (o, s), grads = results[backend] = run_and_grads(fn, *args)
     d = 2
     for row, lengths in enumerate(DOC_LENGTHS):
@@ -186,7 +186,7 @@ def test_packed_documents():
         assert np.any(b[0, 83:] != 0) and np.any(b[1, 64:] != 0), (backend, name)
     assert np.all(np.asarray(grads[5]) == 0), backend  # h0 belongs to document 0
 
-  for a, b in zip(jax.tree.leaves(results["chunk"]), jax.tree.leaves(results["naive"])):
+  for a, b in zip(jax.tree.leaves(results["reference"]), jax.tree.leaves(results["naive"])):
     assert rel_rms(a, b) < RTOL_FP32
 
 
@@ -239,10 +239,12 @@ def test_dispatcher():
     trace = lambda f, **kw: str(jax.make_jaxpr(functools.partial(
         f, initial_state=h0, output_final_state=True, scale=0.3, **kw))(q, k, v, g, beta))
     assert trace(kda, backend=backend) == trace(fn)
-  with pytest.raises(ValueError, match="chunk.*naive"):
+  with pytest.raises(ValueError, match="reference.*naive"):
     kda(q, k, v, g, beta, backend="pallas")
+  with pytest.raises(ValueError, match="'chunk' was renamed 'reference'"):
+    kda(q, k, v, g, beta, backend="chunk")
   assert resolve_backend("auto", "gpu") == resolve_backend("auto", "tpu") == "kernel"
-  assert resolve_backend("auto", "cpu") == "chunk"
+  assert resolve_backend("auto", "cpu") == "reference"
 
 
 def test_chunk_rejects_bad_tile_sizes():

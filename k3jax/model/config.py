@@ -12,6 +12,7 @@ from pallas_kernels.attention import BACKENDS as ATTENTION_BACKENDS
 from pallas_kernels.attention import RENAMED as ATTENTION_RENAMED
 from pallas_kernels.grouped_matmul import BACKENDS as GMM_BACKENDS
 from pallas_kernels.kda import BACKENDS as KDA_BACKENDS
+from pallas_kernels.kda import RENAMED as KDA_RENAMED
 from pallas_kernels.short_conv import BACKENDS as CONV_BACKENDS
 
 REMAT_POLICIES = ("none", "full", "dots")
@@ -63,7 +64,7 @@ def _kda() -> ml_collections.ConfigDict:
   k.gate_lower_bound = -5.0
   # Tokens per chunk; 0: pallas_kernels.kda.default_chunk_size. Outputs do not depend on it.
   k.chunk_size = 0
-  # pallas_kernels.kda backend: chunk, naive, kernel, interpret, auto (kernel on TPU/GPU)
+  # pallas_kernels.kda backend: reference, naive, kernel, interpret, auto (kernel on TPU/GPU)
   k.backend = "auto"
   # pallas_kernels.short_conv backend: reference, kernel (GPU), interpret, auto (kernel on GPU)
   k.conv_backend = "auto"
@@ -181,8 +182,7 @@ def _check_kda(k: ml_collections.ConfigDict) -> None:
   check(k.chunk_size == 0 or (k.chunk_size >= 16 and not k.chunk_size & (k.chunk_size - 1)),
         "model.kda.chunk_size", f"must be 0 (the backend's default) or a power of two >= 16, "
         f"got {k.chunk_size}")
-  check(k.backend in KDA_BACKENDS, "model.kda.backend",
-        f"unknown backend {k.backend!r} (known: {', '.join(KDA_BACKENDS)})")
+  check_backend("model.kda.backend", k.backend, KDA_BACKENDS, KDA_RENAMED)
   check(k.conv_backend in CONV_BACKENDS, "model.kda.conv_backend",
         f"unknown backend {k.conv_backend!r} (known: {', '.join(CONV_BACKENDS)})")
   check(k.gate_lower_bound >= -5.0 or k.backend == "naive" or k.gate != "bounded",

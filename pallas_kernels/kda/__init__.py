@@ -2,6 +2,7 @@
 
 import functools
 
+from pallas_kernels.backends import check_backend
 from pallas_kernels.kda.chunk import LOWER_BOUND, kda_chunk
 from pallas_kernels.kda.context import kda_context, kda_context_sharded
 from pallas_kernels.kda.naive import kda_naive
@@ -9,19 +10,21 @@ from pallas_kernels.kda.pallas import default_chunk, kda_pallas, kda_pallas_shar
 from pallas_kernels.platform import target_platform
 from pallas_kernels.shard_types import axis_size
 
-__all__ = ["BACKENDS", "LOWER_BOUND", "default_chunk_size", "kda",
-           "kda_chunk", "kda_context", "kda_naive", "kda_pallas", "resolve_backend"]
+__all__ = ["BACKENDS", "LOWER_BOUND", "RENAMED", "default_chunk_size", "kda", "kda_chunk",
+           "kda_context", "kda_naive", "kda_pallas", "resolve_backend"]
 
+# "reference": the chunked form in plain JAX (`chunk.py`); "naive": the literal recurrence;
 # "kernel": Pallas (Triton on GPU, Mosaic on TPU); "interpret": the same kernels in interpret
-# mode; "auto": "kernel" on TPU and GPU, else "chunk".
-BACKENDS = ("chunk", "naive", "kernel", "interpret", "auto")
+# mode; "auto": "kernel" on TPU and GPU, else "reference".
+BACKENDS = ("reference", "naive", "kernel", "interpret", "auto")
+RENAMED = {"chunk": "reference"}  # old: new
 
 
 def resolve_backend(backend: str, platform: str) -> str:
   """The backend "auto" stands for on platform ("gpu", "tpu", "cpu"); others unchanged."""
   if backend != "auto":
     return backend
-  return "kernel" if platform in ("gpu", "tpu") else "chunk"
+  return "kernel" if platform in ("gpu", "tpu") else "reference"
 
 
 def default_chunk_size(backend: str, platform: str) -> int:
@@ -30,7 +33,7 @@ def default_chunk_size(backend: str, platform: str) -> int:
   return default_chunk(platform) if backend == "kernel" else 64
 
 
-def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
+def kda(q, k, v, g, beta, *, backend="reference", scale=None, initial_state=None,
         segment_ids=None, output_final_state=False, chunk_size=None, sub_chunk_size=16,
         mesh=None, batch_axis=None, head_axis=None, seq_axis=None, platform=None,
         bounded_gate=True):
@@ -43,8 +46,7 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
   platform = target_platform(mesh, platform)
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown KDA backend {backend!r}; choose one of {BACKENDS}")
+  check_backend("KDA", backend, BACKENDS, RENAMED)
   split = mesh is not None and seq_axis is not None
   if not chunk_size:
     chunk_size = default_chunk_size(backend, platform)
@@ -54,15 +56,16 @@ def kda(q, k, v, g, beta, *, backend="chunk", scale=None, initial_state=None,
   interpret = backend == "interpret"
   kernel = dict(chunk_size=chunk_size, sub_chunk_size=sub_chunk_size, interpret=interpret,
                 platform="cpu" if interpret else platform, bounded_gate=bounded_gate)
-  run = {"chunk": functools.partial(kda_chunk, chunk_size=chunk_size,
-                                    sub_chunk_size=sub_chunk_size, bounded_gate=bounded_gate),
+  run = {"reference": functools.partial(kda_chunk, chunk_size=chunk_size,
+                                        sub_chunk_size=sub_chunk_size,
+                                        bounded_gate=bounded_gate),
          "naive": kda_naive}.get(backend, functools.partial(kda_pallas, **kernel))
   if split:
     return kda_context_sharded(functools.partial(run, scale=scale), q, k, v, g, beta,
                                mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
                                head_axis=head_axis, initial_state=initial_state,
                                segment_ids=segment_ids, output_final_state=output_final_state)
-  if backend in ("chunk", "naive"):
+  if backend in ("reference", "naive"):
     return run(q, k, v, g, beta, **common)
   if mesh is not None and (batch_axis is not None or head_axis is not None):
     return kda_pallas_sharded(q, k, v, g, beta, mesh=mesh, batch_axis=batch_axis,
