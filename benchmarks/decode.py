@@ -18,7 +18,6 @@ MLA's heads, keys of nope + rope and values of v a head, in the compute dtype.
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import jax
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 from flax import nnx
+from harness import header
 
 from k3jax import axes, cli, decode
 from k3jax import config as k3config
@@ -101,10 +101,9 @@ def main(argv):
   del argv
   cfg = k3config.validate(cli.CONFIG.value)
   m = cfg.model
-  dev = jax.devices()[0]
-  print(f"# {datetime.date.today()}, {dev.device_kind}, JAX {jax.__version__}; "
-        f"{m.num_layers} layers, d {m.d_model}, {m.moe.num_experts} experts top-"
-        f"{m.moe.top_k}; weights {m.dtype}, {_STEPS.value} steps timed", flush=True)
+  print(header(f"{m.num_layers} layers, d {m.d_model}, {m.moe.num_experts} experts "
+                       f"top-{m.moe.top_k}", f"weights {m.dtype}, {_STEPS.value} steps timed"),
+        flush=True)
   model = K3Model(m, rngs=nnx.Rngs(0))
   weights_in(model, jnp.dtype(m.dtype))
   graphdef, state = nnx.split(model)

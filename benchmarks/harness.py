@@ -4,10 +4,18 @@ imports this as `harness` (its folder is on sys.path when it runs)."""
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import jax
 import numpy as np
+
+
+def header(*details: str) -> str:
+  """"# <date>, <device>, JAX <version>; <details>": a benchmark's first line."""
+  run = (f"# {datetime.date.today().isoformat()}, {jax.devices()[0].device_kind}, "
+         f"JAX {jax.__version__}")
+  return "; ".join((run, *details))
 
 
 def time_jax(fn, args, reps=20):

@@ -22,7 +22,6 @@ different meshes be compared. Prints a markdown table.
 
 from __future__ import annotations
 
-import datetime
 import fcntl
 import functools
 import math
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
+from harness import header
 
 from k3jax import cli, optim, parallel, program
 from k3jax import data as k3data
@@ -231,10 +231,8 @@ def main(argv):
     raise app.UsageError("--sharers needs --share_dir: a new directory, the same for all")
   cfg = k3config.validate(cli.CONFIG.value)
   t = cfg.train
-  dev = jax.devices()[0]
-  print(f"# {cfg.model.num_layers} layers, d {cfg.model.d_model}; batch {t.global_batch} x "
-        f"{t.seq_len}; {dev.device_kind}; jax {jax.__version__}; "
-        f"{datetime.date.today().isoformat()}", flush=True)
+  print(header(f"{cfg.model.num_layers} layers, d {cfg.model.d_model}",
+                       f"batch {t.global_batch} x {t.seq_len}"), flush=True)
 
   # The program k3jax.train runs (donating its state), on a mesh over --devices devices.
   prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))
@@ -258,7 +256,7 @@ def main(argv):
   batch = jax.device_put(batch, prog.batch_shardings)
   step, times, losses, loss = time_train_step(prog, batch, t)
   print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
-  print_tables(cfg, dev, step, float(np.median(times)), loss, opt_times)
+  print_tables(cfg, jax.devices()[0], step, float(np.median(times)), loss, opt_times)
 
 
 def main_or_mark_failed(argv):
