@@ -1,7 +1,6 @@
-"""Softmax attention with a document mask: `attention` dispatches to "reference"
-(`reference.py`, dense scores) or "kernel" (the flash kernels of `flash.py`, `cudnn.py`);
-`max_logit.py` recomputes QK-Clip's max logit for the kernels, `context.py` splits the
-queries along T (context parallelism)."""
+"""Softmax attention with a document mask: `attention` dispatches to "reference" (dense
+scores) or "kernel" (`flash.py`, `cudnn.py`); `max_logit.py`: QK-Clip's max logit for the
+kernels; `context.py`: the queries split along T."""
 
 from __future__ import annotations
 
@@ -67,11 +66,9 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
               mesh=None, batch_axis=None, head_axis=None, seq_axis=None):
   """softmax(scale q k^T, `attention_mask`) v: q [B, T, H, Dqk], k [B, T, H or 1, Dqk],
   v [B, T, H or 1, Dv], segment_ids [B, T] (0 = padding) -> [B, T, H, Dv] in v's dtype, and
-  with return_max_logit each head's max logit [H] fp32. backend: "reference" (dense scores),
-  "kernel" (the lowering platform's flash kernel: splash on TPU, cuDNN or Triton on GPU,
-  splash interpreted elsewhere), "auto" (the kernel on TPU and GPU, else the reference;
-  chosen at lowering). seq_axis splits the query rows (`context.py`); the GPU kernels, with
-  no query offset, gather T."""
+  with return_max_logit each head's max logit [H] fp32. backend "kernel": splash on TPU,
+  cuDNN or Triton on GPU, splash interpreted elsewhere; "auto": the kernel on TPU and GPU.
+  seq_axis splits the query rows (`context.py`); the GPU kernels gather T."""
   check_backend("attention", backend, BACKENDS, RENAMED)
   context = functools.partial(context_parallel, return_max_logit=return_max_logit,
                               mesh=mesh, batch_axis=batch_axis, head_axis=head_axis,

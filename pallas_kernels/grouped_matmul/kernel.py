@@ -1,7 +1,6 @@
 """Grouped matmuls as Pallas Mosaic GPU kernels (H100 / H200): `gmm` (forward; on rhs^T the
-lhs gradient), ours, a persistent kernel over an XLA-made tile list, so compile and per-tile
-work do not grow with the groups; `tgmm` (weight gradient), JAX's `transposed_ragged_dot_mgpu`,
-which reads the SM count when traced (it lowers on a GPU host only)."""
+lhs gradient), a persistent kernel over an XLA-made tile list; `tgmm` (weight gradient), JAX's
+`transposed_ragged_dot_mgpu`, which reads the SM count when traced (GPU hosts only)."""
 
 from __future__ import annotations
 

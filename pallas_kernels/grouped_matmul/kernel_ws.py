@@ -1,7 +1,6 @@
 """Warp-specialized grouped matmuls (Pallas Mosaic GPU): `gmm_ws` over `kernel.tile_table`,
-`tgmm_ws` over (group, K block, N block) tiles. Per CTA a memory warpgroup streams K blocks
-into shared memory while two compute warpgroups run wgmma into fp32 accumulators (halves of
-[block_m, 2 block_n]) and store a tile as the next one loads."""
+`tgmm_ws` over (group, K block, N block) tiles. A memory warpgroup streams K blocks while two
+compute warpgroups run wgmma into fp32 halves of [block_m, 2 block_n]."""
 
 from __future__ import annotations
 

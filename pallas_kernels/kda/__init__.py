@@ -13,9 +13,8 @@ from pallas_kernels.shard_types import axis_size
 __all__ = ["BACKENDS", "LOWER_BOUND", "RENAMED", "default_chunk_size", "kda", "kda_chunk",
            "kda_context", "kda_naive", "kda_pallas", "resolve_backend"]
 
-# "reference": the chunked form in plain JAX (`chunk.py`); "naive": the literal recurrence;
-# "kernel": Pallas (Triton on GPU, Mosaic on TPU); "interpret": the same kernels in interpret
-# mode; "auto": "kernel" on TPU and GPU, else "reference".
+# "reference": `chunk.py`; "naive": the literal recurrence; "kernel": Triton on GPU, Mosaic
+# on TPU; "interpret": the kernels interpreted; "auto": "kernel" on TPU and GPU.
 BACKENDS = ("reference", "naive", "kernel", "interpret", "auto")
 RENAMED = {"chunk": "reference"}  # old: new
 

@@ -13,9 +13,8 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Static settings of one call (hashable: a custom_vjp nondiff argument). GPU tuning
-  defaults: the H200's fastest (benchmarks/results/kda.md); states_*: rec_fwd's when it saves
-  states (0: block_v, rec_warps)."""
+  """Static settings of one call (hashable). GPU tuning defaults: benchmarks/results/kda.md;
+  states_*: rec_fwd's when it saves states (0: block_v, rec_warps)."""
   scale: float
   chunk: int  # C
   sub: int  # diagonal sub-tile length L

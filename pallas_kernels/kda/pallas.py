@@ -90,8 +90,7 @@ def kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=
                platform=None, block_v=None, save_states=True, bounded_gate=True, **tuning):
   """`kda_naive`'s contract, any T; bf16 inputs take bf16 matmul operands (fp32 state and
   decays). chunk_size: a power of two >= 16, <= GPU_MAX_CHUNK on GPU; save_states=False
-  recomputes prep and the chunk states in the backward; bounded_gate: g >= LOWER_BOUND
-  (False: any g <= 0); tuning: `blocks.Config` fields."""
+  recomputes in the backward; bounded_gate: g >= LOWER_BOUND; tuning: `blocks.Config`."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   cfg, args = kernel_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state,

@@ -1,8 +1,6 @@
-"""Pallas kernels for the Gram form of Newton-Schulz (`gram.py`): X X^T, the [m, m] polynomial
-q, then q @ X, all in one program per block ("whole": TPU Mosaic with the block in VMEM, or
-GPU Triton), or on GPU split into Gram, iteration and apply kernels that fill the SMs when
-blocks are few. Triton, not Mosaic GPU: it pipelines these small matmuls from `jnp` code.
-bf16 inputs: bf16 operands, fp32 accumulation, q as bf16 hi + lo; fp32 inputs: HIGHEST."""
+"""Pallas kernels for Newton-Schulz's Gram form (`gram.py`): X X^T, the polynomial q, q @ X in
+one program per block ("whole": Mosaic on TPU, Triton on GPU), or on GPU in Gram, iteration
+and apply kernels that fill the SMs when blocks are few. bf16: q as bf16 hi + lo."""
 
 from __future__ import annotations
 
