@@ -48,7 +48,7 @@ VARIANTS = {
     # smallest v5p slice that does: on half of it the state alone leaves too little room
     # (benchmarks/results/aot_k3_full.md).
     "v5p-2048": dict(topology=_V5P_2048, fields=_PRETRAIN),
-    # 512 Ironwood chips = 1,024 devices (one per die, 96 GiB each): the same layout, with
+    # 512 Ironwood chips = 1,024 devices (one per die): the same layout, with
     # XLA's latency-hiding scheduler off: it fits then, while with it on the collectives it
     # overlaps hold more than a device has (benchmarks/results/aot_k3_full.md). What the
     # lost overlap costs in step time can only be measured on Ironwood.
