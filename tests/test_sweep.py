@@ -177,8 +177,8 @@ def test_a_sweep_file_without_get_sweep_or_variant_is_named(tmp_path):
     ('{"model.mla_evry": 2}', "arm 'a': --config.model.mla_evry is not a field; did you mean "
                               "model.mla_every?"),
     ('{"model.mla_every": "two"}', "arm 'a': --config.model.mla_every=two: invalid literal"),
-    ('{"model.kda.gate": "softplus", "model.kda.backend": "kernel"}',
-     "arm 'a': config.model.kda.backend: 'kernel' needs the bounded gate"),
+    ('{"model.kda.backend": "chunk"}',
+     "arm 'a': config.model.kda.backend: 'chunk' was renamed 'reference'"),
 ])
 def test_an_arm_that_is_not_a_valid_config_is_named(tmp_path, overrides, message):
   sweep = load_sweep(sweep_file(tmp_path, f'{{{BASE}, "arms": [("a", {overrides})]}}'))
