@@ -102,7 +102,7 @@ def main(argv):
   cfg = k3config.validate(cli.CONFIG.value)
   m = cfg.model
   print(header(f"{m.num_layers} layers, d {m.d_model}, {m.moe.num_experts} experts "
-                       f"top-{m.moe.top_k}", f"weights {m.dtype}, {_STEPS.value} steps timed"),
+               f"top-{m.moe.top_k}", f"weights {m.dtype}, {_STEPS.value} steps timed"),
         flush=True)
   model = K3Model(m, rngs=nnx.Rngs(0))
   weights_in(model, jnp.dtype(m.dtype))

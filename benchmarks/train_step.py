@@ -232,7 +232,7 @@ def main(argv):
   cfg = k3config.validate(cli.CONFIG.value)
   t = cfg.train
   print(header(f"{cfg.model.num_layers} layers, d {cfg.model.d_model}",
-                       f"batch {t.global_batch} x {t.seq_len}"), flush=True)
+               f"batch {t.global_batch} x {t.seq_len}"), flush=True)
 
   # The program k3jax.train runs (donating its state), on a mesh over --devices devices.
   prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))

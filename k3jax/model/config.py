@@ -183,8 +183,7 @@ def _check_kda(k: ml_collections.ConfigDict) -> None:
         "model.kda.chunk_size", f"must be 0 (the backend's default) or a power of two >= 16, "
         f"got {k.chunk_size}")
   check_backend("model.kda.backend", k.backend, KDA_BACKENDS, KDA_RENAMED)
-  check(k.conv_backend in CONV_BACKENDS, "model.kda.conv_backend",
-        f"unknown backend {k.conv_backend!r} (known: {', '.join(CONV_BACKENDS)})")
+  check_backend("model.kda.conv_backend", k.conv_backend, CONV_BACKENDS)
   check(k.gate_lower_bound >= -5.0 or k.backend == "naive" or k.gate != "bounded",
         "model.kda.gate_lower_bound",
         f"{k.gate_lower_bound} is below -5: 16-token tiles of the chunked form would overflow")
@@ -233,8 +232,7 @@ def _check_moe(m: ml_collections.ConfigDict) -> None:
   check(e.expert_quant == "none" or (e.latent_dim % 32 == 0 and e.expert_dim % 32 == 0),
         "model.moe.expert_quant", f"mxfp4 groups 32 input columns: latent_dim "
         f"{e.latent_dim} and expert_dim {e.expert_dim} must be multiples of 32")
-  check(e.gmm_backend in GMM_BACKENDS, "model.moe.gmm_backend",
-        f"must be one of {GMM_BACKENDS}, got {e.gmm_backend!r}")
+  check_backend("model.moe.gmm_backend", e.gmm_backend, GMM_BACKENDS)
   check(e.balance_cutoff in ("k_plus_1", "leave_one_out"), "model.moe.balance_cutoff",
         f"must be 'k_plus_1' or 'leave_one_out', got {e.balance_cutoff!r}")
 

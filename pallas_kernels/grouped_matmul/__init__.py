@@ -11,6 +11,7 @@ import types
 import jax
 import numpy as np
 
+from pallas_kernels.backends import check_backend
 from pallas_kernels.grouped_matmul import kernel, kernel_ws, reference
 from pallas_kernels.platform import target_platform
 from pallas_kernels.shard_types import cotangent_like
@@ -26,8 +27,7 @@ _CHECKS = {"kernel_ws": kernel_ws.check_ws, "kernel": kernel.check}
 
 def resolve_backend(backend: str, platform: str, lhs=None, rhs=None) -> str:
   """`backend` on platform; lhs, rhs (or None) checked against the kernels' tiles."""
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown grouped-matmul backend {backend!r}; choose one of {BACKENDS}")
+  check_backend("grouped-matmul", backend, BACKENDS)
   if backend != "auto":
     if backend in _CHECKS and lhs is not None:
       _CHECKS[backend](lhs, rhs)

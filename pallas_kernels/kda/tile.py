@@ -61,7 +61,6 @@ class _Frame:
     self.after = same & (t < j)
     self.same_tile = (t & -sub) == (j & -sub)
     self.sub, self.precision, self.bounded = sub, precision, bounded
-    self._parts = None
     self.G = self.masked_sum(self.causal, g)
     self.to_end = self.masked_sum(self.after, g)
     if bounded:
@@ -70,6 +69,7 @@ class _Frame:
       is_start = jnp.sum((same & (t <= j)).astype(F32), axis=0, keepdims=True) == 1.0
       self.span = self.causal & (j > (t & -sub)) & ~is_start
       self.e = self.masked_sum(self.span, g)
+    self.tile_parts = self._tile_parts(C)
 
   def masked_sum(self, mask, x):
     """sum_j mask[t, j] x[j], fp32 at the kernel's precision."""
@@ -85,19 +85,17 @@ class _Frame:
     f = jnp.exp(jnp.where(ok, self.masked_sum(span, self.g), -jnp.inf))
     return f, 1.0, column, None, span
 
-  def score_parts(self, k):
+  def score_parts(self):
     """scores(x) = sum over parts (f, h, mask, at_end, span) of mask * ((x f) (k h)^T): the
     diagonal tiles' (e^e, e^-e), or (unbounded gate) their `pair_part`s, made at each use
     so their factors are not all live at once; then per column tile with a tile after it
     (e^{G - G_end}, e^{G_end - G}), G_end at its last token (`at_end` [C, 1])."""
-    if self._parts is None:
-      self._parts = self._tile_parts(k)
     if self.bounded:
-      return self._parts
-    return itertools.chain((self.pair_part(jj) for jj in range(self.sub)), self._parts)
+      return self.tile_parts
+    return itertools.chain((self.pair_part(jj) for jj in range(self.sub)), self.tile_parts)
 
-  def _tile_parts(self, k):
-    C, sub, G, tc, doc_c = k.shape[0], self.sub, self.G, self.tc, self.doc_c
+  def _tile_parts(self, C):
+    sub, G, tc, doc_c = self.sub, self.G, self.tc, self.doc_c
     parts = []
     if self.bounded:
       parts.append((jnp.exp(self.e), jnp.exp(-self.e), self.same_tile, None, None))
@@ -115,7 +113,7 @@ class _Frame:
 
 def _scores(x, k, fr, mm):
   acc = 0.0
-  for f, h, mask, *_ in fr.score_parts(k):
+  for f, h, mask, *_ in fr.score_parts():
     p = mm(x * f, k * h, "nt")
     acc = acc + (p if mask is None else jnp.where(mask, p, 0.0))
   return acc
@@ -196,7 +194,7 @@ def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm
     de = dg_pairs = 0.0
     for x, d_scores, is_q in ((q, jnp.where(fr.strict, da, 0.0), True),
                               (k, beta * da_kk, False)):
-      for f, h, mask, at_end, span in fr.score_parts(k):
+      for f, h, mask, at_end, span in fr.score_parts():
         d_p = d_scores if mask is None else jnp.where(mask, d_scores, 0.0)
         lhs, rhs = x * f, k * h
         d_lhs = dot(d_p, rhs, "nn", precision)

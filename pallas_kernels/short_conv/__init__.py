@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.backends import check_backend
 from pallas_kernels.platform import target_platform
 from pallas_kernels.short_conv.kernel import short_conv_pallas
 from pallas_kernels.short_conv.reference import short_conv_reference
@@ -23,8 +24,7 @@ def short_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                batch_axis=None, head_axis=None, seq_axis=None, platform=None) -> jax.Array:
   """`short_conv_reference` through `backend`; the kernels run per device under `shard_map`
   over batch_axis and head_axis; seq_axis splits T for every backend (`with_halo`)."""
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown short-conv backend {backend!r}; choose one of {BACKENDS}")
+  check_backend("short-conv", backend, BACKENDS)
   if backend == "auto":
     backend = "kernel" if target_platform(mesh, platform) == "gpu" else "reference"
 
