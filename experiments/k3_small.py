@@ -17,9 +17,9 @@ documents; `pallas_kernels.attention.flash_cuda`), no [T, T] scores.
 each scanned layer its own remat region, the LM head and loss 4,096 positions at a time;
 at 128k the experts take 16,384 tokens at a time (`moe.token_chunk`), and the step needs
 more than JAX's default 75% of an H200: run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95.
-With several GPUs, `--config.mesh.context=N` splits each sequence over N of them (the GPU
-kernels take no query offset yet: each GPU attends for all rows of its sequence). Tokens/s
-and fit on one H200: benchmarks/results/context_parallel.md.
+"1m": 1 x 1,048,576 over the 8 GPUs of a host (`mesh.context` 8: each holds 128k's share
+of positions; MLA exchanges heads for positions). `--config.mesh.context=N` splits any
+variant's sequences over N GPUs. Tokens/s and fit: benchmarks/results/context_parallel.md.
 """
 
 from k3jax import config as k3config
@@ -32,6 +32,9 @@ _LONG_VARIANTS = {
     "128k": {**_LONG, "train.seq_len": 131_072, "train.global_batch": 1,
              "train.microbatches": 1, "model.moe.token_chunk": 16_384},
 }
+# 1M: one sequence a step over the 8 GPUs of a host, 131,072 positions each (128k's share)
+_LONG_VARIANTS["1m"] = {**_LONG_VARIANTS["128k"], "train.seq_len": 1_048_576,
+                        "mesh.context": 8}
 VARIANTS = (None, "", "multimodal", *_LONG_VARIANTS)
 
 

@@ -228,10 +228,10 @@ CP_LAYOUTS = [(2, (2, 2, 2), "data", "context"), (4, (1, 4, 2), "data", "context
 
 
 @functools.cache
-def cp_inputs(key_heads):
-  """q [4, 64, 2, 16], k [4, 64, key_heads, 16], v [4, 64, 2, 8] and the weights of the
-  summed output; ids CP_IDS."""
-  b, t, h = CP_IDS.shape + (2,)
+def cp_inputs(key_heads, heads=2):
+  """q [4, 64, heads, 16], k [4, 64, key_heads, 16], v [4, 64, heads, 8] and the weights of
+  the summed output; ids CP_IDS."""
+  b, t, h = CP_IDS.shape + (heads,)
   return (randn(20, b, t, h, 16), randn(21, b, t, key_heads, 16), randn(22, b, t, h, 8),
           randn(23, b, t, h, 8))
 
@@ -270,27 +270,42 @@ def test_context_parallel_matches_dense(backend, c, shape, batch_axis, seq_axis)
                         head_axis="tensor", seq_axis=seq_axis)
 
 
-@pytest.mark.parametrize("shared_kv", [False, True])
-def test_context_parallel_gpu_gathers(monkeypatch, shared_kv):
-  """The GPU path with seq_axis (c = 2, 4), run as lowered for CUDA with Triton interpreted:
-  it gathers T (each device computes all rows of its heads) and equals the reference; with
-  keys and values shared by all heads (MLA absorbed) and the heads split over tensor, each
-  device copies them to its own heads."""
+# heads, shared keys and values, mesh shape over names, head axis, seq axis, all_to_all
+GPU_CP = [(2, False, (2, 4), ("data", "context"), None, "context", False),
+          (2, True, (2, 2, 2), ("data", "context", "tensor"), "tensor", "context", False),
+          (8, False, (2, 4), ("data", "context"), None, "context", True),
+          (8, True, (2, 2, 2), ("data", "context", "tensor"), "tensor", "context", True),
+          (8, False, (2, 2, 2), ("data", "context", "tensor"), "tensor", ("data", "context"),
+           True)]
+
+
+@pytest.mark.parametrize("heads, shared_kv, shape, names, head_axis, seq_axis, exchanged",
+                         GPU_CP)
+def test_context_parallel_gpu(monkeypatch, heads, shared_kv, shape, names, head_axis,
+                              seq_axis, exchanged):
+  """The GPU path with T split over seq_axis (c = 2, 4), run as lowered for CUDA with Triton
+  interpreted: where each device's heads split into the c slices, an all-to-all gives every
+  device all T of a c-th of its heads (keys and values shared by all heads, MLA absorbed,
+  gathered); else each device computes all T of all its heads. Output, max logit and every
+  gradient equal the reference, with documents crossing slice boundaries."""
   import pallas_kernels.attention as attention_ops  # noqa: PLC0415
   monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, **_: cuda(*args))
   monkeypatch.setattr(attention_ops, "flash_gpu", functools.partial(flash_gpu, interpret=True))
   monkeypatch.setattr(attention_ops, "max_logit_gpu",
                       functools.partial(max_logit_gpu, interpret=True))
-  shape, names = ((2, 2, 2), ("data", "context", "tensor")) if shared_kv else (
-      (2, 4), ("data", "context"))
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(shape), names)
-  q, k, v, w = cp_inputs(1)
+  q, k, v, w = cp_inputs(1, heads)
   if shared_kv:
     v = v[:, :, :1]
-  got = cp_run("kernel", q, k, v, w, mesh=mesh, batch_axis="data", seq_axis="context",
-               head_axis="tensor" if shared_kv else None)
+  where = dict(mesh=mesh, batch_axis=None if "data" in seq_axis else "data",
+               seq_axis=seq_axis, head_axis=head_axis)
+  got = cp_run("kernel", q, k, v, w, **where)
   for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(cp_run("reference", q, k, v, w))):
     check_close(g, r)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: attention(
+      q, k, v, jnp.asarray(CP_IDS), scale=0.3, causal=True, backend="kernel", **where))
+  prims = {e.primitive.name for e in jaxpr_eqns(jaxpr(q, k, v).jaxpr)}
+  assert ("all_to_all" in prims) == exchanged
 
 
 def test_context_parallel_dense_scores_per_slice():

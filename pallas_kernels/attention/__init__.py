@@ -9,7 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.context import context_parallel, flash_tpu_window, kv_spec
+from pallas_kernels.attention.context import (context_parallel, flash_tpu_window,
+                                              heads_divide, heads_exchanged, kv_spec)
 from pallas_kernels.attention.cudnn import cudnn_ready, flash_cudnn, run_slots, segment_runs
 from pallas_kernels.attention.flash import flash_gpu, flash_tpu, unique_padding_ids
 from pallas_kernels.attention.max_logit import max_logit, max_logit_block, max_logit_gpu
@@ -68,7 +69,8 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
   v [B, T, H or 1, Dv], segment_ids [B, T] (0 = padding) -> [B, T, H, Dv] in v's dtype, and
   with return_max_logit each head's max logit [H] fp32. backend "kernel": splash on TPU,
   cuDNN or Triton on GPU, splash interpreted elsewhere; "auto": the kernel on TPU and GPU.
-  seq_axis splits the query rows (`context.py`); the GPU kernels gather T."""
+  seq_axis splits T (`context.py`): on GPUs each device takes all T of a c-th of its heads
+  where they divide (else all T of all its heads), elsewhere its query rows."""
   check_backend("attention", backend, BACKENDS, RENAMED)
   context = functools.partial(context_parallel, return_max_logit=return_max_logit,
                               mesh=mesh, batch_axis=batch_axis, head_axis=head_axis,
@@ -112,16 +114,22 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
 
   tpu = functools.partial(flash_tpu, scale=scale, causal=causal)
 
-  def gpu(q, k, v, ids, _):
+  def gpu(q, k, v, ids):
     heads = q.shape[2]
     out = flash_cuda(q, per_head(k, heads), per_head(v, heads), ids, scale=scale,
                      causal=causal)
     if not return_max_logit:
-      return out
+      return out, None
     return out, max_logit_gpu(q, k, jnp.maximum(ids, 0), scale=scale, causal=causal)
 
-  def cuda(q, k, v):  # T gathered along seq_axis: the GPU kernels take no query offset
-    return shard(gpu, q, k, v, ids, seq_axis=None, with_logit=return_max_logit)
+  def cuda(q, k, v):  # the GPU kernels take no query offset: all T, of H/c heads if they split
+    if mesh is not None and seq_axis is not None and heads_divide(q, mesh, head_axis, seq_axis):
+      return heads_exchanged(gpu, q, k, v, ids, return_max_logit=return_max_logit, mesh=mesh,
+                             batch_axis=batch_axis, head_axis=head_axis, seq_axis=seq_axis)
+    def gathered(q, k, v, ids, _):
+      out, logit = gpu(q, k, v, ids)
+      return (out, logit) if return_max_logit else out
+    return shard(gathered, q, k, v, ids, seq_axis=None, with_logit=return_max_logit)
 
   interpreted = functools.partial(tpu, interpret=True)
   forced = backend == "kernel"
