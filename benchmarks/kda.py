@@ -42,6 +42,7 @@ VARIANTS = {"save": dict(save_states=True), "recompute": dict(save_states=False)
             "preptf32": dict(prep_precision="tf32"),
             "preptf32x3": dict(prep_precision="tf32x3"),
             "nost": dict(states_block_v=0, states_warps=0),
+            "softplus": dict(bounded_gate=False),
             **{f"s{n}": dict(spans=n) for n in (1, 2, 4, 8, 16, 32, 64)}}
 
 
