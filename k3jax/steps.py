@@ -24,7 +24,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
   Default denominator: max(sum(weights), 1); microbatches pass the whole batch's."""
   logits = logits.astype(jnp.float32)
   logz = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  # The target's logit by a select, not a gather: its gradient is a select too, where a
+  # gather's is a scatter-add that deterministic XLA rewrites element by element over [B, T, V]
+  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+  picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
   if denominator is None:
     denominator = _token_count(weights)
   return jnp.sum((logz - picked) * weights) / denominator
