@@ -257,6 +257,23 @@ def check_cp_equals_dense(backend, q, k, v, w, **where):
     check_close(g, r)
 
 
+@pytest.mark.parametrize("c, shape, seq_axis, head_axis", [
+    (4, (2, 4, 1), "context", None), (2, (2, 2, 2), "context", "tensor"),
+    (4, (2, 2, 2), ("data", "context"), "tensor")])
+def test_splash_exchanges_heads_where_they_divide(c, shape, seq_axis, head_axis):
+  """Splash (interpreted) with T split into c slices and 8 heads, which split into c on each
+  device: all-to-alls give every device all T of a c-th of its heads; output, max logit
+  and every gradient equal the unsharded reference."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(shape), ("data", "context", "tensor"))
+  q, k, v, w = cp_inputs(1, 8)
+  where = dict(mesh=mesh, batch_axis=None if "data" in seq_axis else "data",
+               head_axis=head_axis, seq_axis=seq_axis)
+  check_cp_equals_dense("kernel", q, k, v, w, **where)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: attention(
+      q, k, v, jnp.asarray(CP_IDS), scale=0.3, causal=True, backend="kernel", **where))
+  assert "all_to_all" in {e.primitive.name for e in jaxpr_eqns(jaxpr(q, k, v).jaxpr)}
+
+
 @pytest.mark.parametrize("backend", ["reference", "kernel"])
 @pytest.mark.parametrize("c, shape, batch_axis, seq_axis", CP_LAYOUTS)
 def test_context_parallel_matches_dense(backend, c, shape, batch_axis, seq_axis):
@@ -324,13 +341,16 @@ def test_context_parallel_dense_scores_per_slice():
   assert (t // 4, t) in shapes and (t, t) not in shapes
 
 
-def test_tpu_aot_context_parallel_flash_fits():
+@pytest.mark.parametrize("h, exchanged", [(4, True), (2, False)])
+def test_tpu_aot_context_parallel_flash_fits(h, exchanged):
   """The flash path's gradient (with the max logit) with T split over context (c = 2) and
-  heads over tensor, compiled for a v5p 2x2x1: splash's Mosaic kernels, temporaries far
-  below one [B, H, T/c, T] fp32 score tensor per device (what dense would hold)."""
+  heads over tensor, compiled for a v5p 2x2x1: splash's Mosaic kernels on all T of a half
+  of each device's heads (h = 4: two a device, exchanged by all-to-alls) or on each
+  device's query rows (h = 2: one a device); temporaries far below one [B, H, T/c, T] fp32
+  score tensor per device (what dense would hold)."""
   from tpu_aot import tpu_mesh  # noqa: PLC0415
   mesh = tpu_mesh(("context", "tensor"), (2, 2))
-  b, t, h = 2, 4096, 4
+  b, t = 2, 4096
   shard = lambda shape, spec, dt=jnp.bfloat16: jax.ShapeDtypeStruct(  # noqa: E731
       shape, dt, sharding=NamedSharding(mesh, spec))
   args = (shard((b, t, h, 192), P(None, "context", "tensor")), shard((b, t, 1, 192), P()),
@@ -341,7 +361,8 @@ def test_tpu_aot_context_parallel_flash_fits():
                            mesh=mesh, head_axis="tensor", seq_axis="context")
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(logit)
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)
-  assert "tpu_custom_call" in lowered.as_text()
+  text = lowered.as_text()
+  assert "tpu_custom_call" in text and ("all_to_all" in text) == exchanged
   stats = lowered.compile().memory_analysis()
   scores = b * (h // 2) * (t // 2) * t * 4
   assert 0 < stats.temp_size_in_bytes < scores / 4

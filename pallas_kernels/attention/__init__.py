@@ -69,12 +69,11 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
   v [B, T, H or 1, Dv], segment_ids [B, T] (0 = padding) -> [B, T, H, Dv] in v's dtype, and
   with return_max_logit each head's max logit [H] fp32. backend "kernel": splash on TPU,
   cuDNN or Triton on GPU, splash interpreted elsewhere; "auto": the kernel on TPU and GPU.
-  seq_axis splits T (`context.py`): on GPUs each device takes all T of a c-th of its heads
-  where they divide (else all T of all its heads), elsewhere its query rows."""
+  seq_axis splits T (`context.py`): the kernels take all T of a c-th of each device's heads
+  where they divide; else splash its query rows, the GPU kernels all T of all its heads."""
   check_backend("attention", backend, BACKENDS, RENAMED)
-  context = functools.partial(context_parallel, return_max_logit=return_max_logit,
-                              mesh=mesh, batch_axis=batch_axis, head_axis=head_axis,
-                              seq_axis=seq_axis)
+  where = dict(return_max_logit=return_max_logit, mesh=mesh, batch_axis=batch_axis,
+               head_axis=head_axis, seq_axis=seq_axis)
   split = causal and mesh is not None and seq_axis is not None
 
   def reference_local(q, k, v, ids, q_offset):
@@ -82,58 +81,83 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
 
   def reference(q, k, v):
     if split:
-      return context(reference_local, q, k, v, segment_ids)
+      return context_parallel(reference_local, q, k, v, segment_ids, **where)
     out, logit_max = attention_reference(q, k, v, segment_ids, scale=scale, causal=causal)
     return (out, logit_max) if return_max_logit else out
 
   if backend == "reference":
     return reference(q, k, v)
-  def per_head(x, heads):
-    return jnp.broadcast_to(x, (*x.shape[:2], heads, x.shape[3]))
-
   if v.shape[2] > 1:   # splash's multi-query form needs k and v shared; else one per head
-    k = per_head(k, q.shape[2])
-  ids = unique_padding_ids(segment_ids)
-  shard = functools.partial(_sharded, mesh=mesh, batch_axis=batch_axis, head_axis=head_axis)
-
-  def flash(kernel):
-    def run(q, k, v):
-      out = shard(kernel, q, k, v, ids, seq_axis=seq_axis)
-      if not return_max_logit:
-        return out
-      return out, max_logit(q, k, segment_ids, scale=scale, causal=causal)
-    return run
-
-  def windowed(interpret):
-    def local(q, k, v, ids, q_offset):
-      out = flash_tpu_window(q, k, v, ids, q_offset, scale=scale, interpret=interpret)
-      if not return_max_logit:
-        return out, None
-      return out, max_logit(q, k, ids, scale=scale, causal=True, q_offset=q_offset)
-    return lambda q, k, v: context(local, q, k, v, segment_ids)
-
-  tpu = functools.partial(flash_tpu, scale=scale, causal=causal)
-
-  def gpu(q, k, v, ids):
-    heads = q.shape[2]
-    out = flash_cuda(q, per_head(k, heads), per_head(v, heads), ids, scale=scale,
-                     causal=causal)
-    if not return_max_logit:
-      return out, None
-    return out, max_logit_gpu(q, k, jnp.maximum(ids, 0), scale=scale, causal=causal)
-
-  def cuda(q, k, v):  # the GPU kernels take no query offset: all T, of H/c heads if they split
-    if mesh is not None and seq_axis is not None and heads_divide(q, mesh, head_axis, seq_axis):
-      return heads_exchanged(gpu, q, k, v, ids, return_max_logit=return_max_logit, mesh=mesh,
-                             batch_axis=batch_axis, head_axis=head_axis, seq_axis=seq_axis)
-    def gathered(q, k, v, ids, _):
-      out, logit = gpu(q, k, v, ids)
-      return (out, logit) if return_max_logit else out
-    return shard(gathered, q, k, v, ids, seq_axis=None, with_logit=return_max_logit)
-
-  interpreted = functools.partial(tpu, interpret=True)
+    k = _per_head(k, q.shape[2])
+  kernels = _Kernels(segment_ids, scale=scale, causal=causal, **where)
   forced = backend == "kernel"
   return jax.lax.platform_dependent(
-      q, k, v, tpu=windowed(False) if split else flash(tpu),
-      cuda=cuda,
-      default=(windowed(True) if split else flash(interpreted)) if forced else reference)
+      q, k, v, tpu=kernels.tpu(interpret=False), cuda=kernels.cuda,
+      default=kernels.tpu(interpret=True) if forced else reference)
+
+
+def _per_head(x, heads):
+  return jnp.broadcast_to(x, (*x.shape[:2], heads, x.shape[3]))
+
+
+class _Kernels:
+  """`attention`'s kernel paths: (q, k, v) -> out, or (out, max logit)."""
+
+  def __init__(self, segment_ids, *, scale, causal, return_max_logit, mesh, batch_axis,
+               head_axis, seq_axis):
+    self.segment_ids, self.ids = segment_ids, unique_padding_ids(segment_ids)
+    self.scale, self.causal, self.with_logit = scale, causal, return_max_logit
+    self.mesh, self.seq_axis = mesh, seq_axis
+    self.where = dict(return_max_logit=return_max_logit, mesh=mesh, batch_axis=batch_axis,
+                      head_axis=head_axis, seq_axis=seq_axis)
+    self.shard = functools.partial(_sharded, mesh=mesh, batch_axis=batch_axis,
+                                   head_axis=head_axis)
+
+  def _exchange(self, q) -> bool:
+    return (self.mesh is not None and self.seq_axis is not None
+            and heads_divide(q, self.mesh, self.where["head_axis"], self.seq_axis))
+
+  def _logit(self, kernel, q, k, ids, **kw):
+    if not self.with_logit:
+      return None
+    return kernel(q, k, jnp.maximum(ids, 0), scale=self.scale, causal=self.causal, **kw)
+
+  def tpu(self, interpret):
+    """Splash: all T of H/c heads, or each device's query rows after the others' keys."""
+    def local(q, k, v, ids):   # the unique padding ids: no query sees another's
+      out = flash_tpu(q, k, v, ids, ids, scale=self.scale, causal=self.causal,
+                      interpret=interpret)
+      return out, self._logit(max_logit, q, k, ids)
+
+    def window(q, k, v, ids, q_offset):
+      out = flash_tpu_window(q, k, v, ids, q_offset, scale=self.scale, interpret=interpret)
+      return out, self._logit(max_logit, q, k, ids, q_offset=q_offset)
+
+    def run(q, k, v):
+      if self._exchange(q):
+        return heads_exchanged(local, q, k, v, self.ids, **self.where)
+      if self.causal and self.mesh is not None and self.seq_axis is not None:
+        return context_parallel(window, q, k, v, self.segment_ids, **self.where)
+      kernel = functools.partial(flash_tpu, scale=self.scale, causal=self.causal,
+                                 interpret=interpret)
+      out = self.shard(kernel, q, k, v, self.ids, seq_axis=self.seq_axis)
+      if not self.with_logit:
+        return out
+      return out, max_logit(q, k, self.segment_ids, scale=self.scale, causal=self.causal)
+    return run
+
+  def _gpu(self, q, k, v, ids):
+    heads = q.shape[2]
+    out = flash_cuda(q, _per_head(k, heads), _per_head(v, heads), ids, scale=self.scale,
+                     causal=self.causal)
+    return out, self._logit(max_logit_gpu, q, k, ids)
+
+  def cuda(self, q, k, v):
+    """cuDNN or Triton (no query offset): all T of H/c heads, or of all heads."""
+    if self._exchange(q):
+      return heads_exchanged(self._gpu, q, k, v, self.ids, **self.where)
+
+    def gathered(q, k, v, ids, _):
+      out, logit = self._gpu(q, k, v, ids)
+      return (out, logit) if self.with_logit else out
+    return self.shard(gathered, q, k, v, self.ids, seq_axis=None, with_logit=self.with_logit)
