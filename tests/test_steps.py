@@ -142,6 +142,30 @@ def test_cross_entropy_picks_the_target_without_a_scatter():
   assert not any(p.startswith("scatter") for p in prims), prims
 
 
+def test_step_scatters_only_what_it_must():
+  """The train step's scatters (dropless dispatch, one device) that XLA's deterministic mode
+  rewrites element by element (neither integer sums nor marked unique) come only from the
+  embedding's gradient and the pure-JAX KDA form: none from the loss, the router or the
+  dispatch's permutations."""
+  from conftest import jaxpr_eqns  # noqa: PLC0415
+  cfg = micro_config()
+  cfg.model.num_layers, cfg.model.dense_layers = 5, 0
+  cfg.model.moe.dispatch = "dropless"
+  k3config.validate(cfg)
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
+  with prog.rules():
+    jaxpr = jax.make_jaxpr(prog.train_step)(*prog.abstract_state, prog.abstract_batch())
+  rewritten = [e for e in jaxpr_eqns(jaxpr.jaxpr) if e.primitive.name.startswith("scatter")
+               and not e.params["unique_indices"]
+               and not (e.primitive.name == "scatter-add"
+                        and jnp.issubdtype(e.invars[0].aval.dtype, jnp.integer))]
+  table = prog.abstract_params["embed"].value.shape
+  kda_form = lambda shape: len(shape) == 7  # noqa: E731  (its blocked solve's tiles)
+  shapes = {e.invars[0].aval.shape for e in rewritten}
+  assert table in shapes
+  assert {s for s in shapes if s != table and not kda_form(s)} == set()
+
+
 def test_chunks_must_split_the_sequence():
   h, w, targets, weights = _head_problem()
   with pytest.raises(ValueError, match="32 positions do not split into chunks of 5"):

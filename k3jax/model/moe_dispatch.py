@@ -70,7 +70,8 @@ def _dropless(z, idx, weights, experts, num_experts):
   flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [N*k] the pair at each row
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-  row = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
+  row = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32),
+                                            unique_indices=True)  # a permutation's inverse
   out_sorted = experts(_dispatch(z, order, row.reshape(n, k)), group_sizes)  # [N*k, L]
   return _combine(out_sorted, weights, row.reshape(n, k), order)
 
@@ -81,7 +82,7 @@ def _rank_in_expert(flat: jax.Array, num_experts: int) -> jax.Array:
   sizes = jnp.bincount(flat, length=num_experts)
   starts = jnp.cumsum(sizes) - sizes  # [E] first sorted position of each expert
   rank_sorted = jnp.arange(flat.shape[0]) - starts[flat[order]]
-  return jnp.zeros_like(flat).at[order].set(rank_sorted.astype(flat.dtype))
+  return jnp.zeros_like(flat).at[order].set(rank_sorted.astype(flat.dtype), unique_indices=True)
 
 
 def _gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -30,7 +30,9 @@ def route(scores: jax.Array, bias: jax.Array, k: int):
     alpha = vals[..., k]
   else:
     alpha = jnp.full(scores.shape[:-1], -jnp.inf, jnp.float32)
-  chosen = jnp.take_along_axis(scores, idx, axis=-1)  # [..., k]
+  # [..., k] by a select: its gradient is a select too, not a scatter-add (a gather's)
+  hit = idx[..., None] == jnp.arange(num_experts, dtype=idx.dtype)       # [..., k, E]
+  chosen = jnp.sum(jnp.where(hit, scores[..., None, :], 0.0), axis=-1)
   weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)
   return idx, weights, alpha
 
