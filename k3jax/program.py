@@ -28,6 +28,7 @@ from k3jax.data import MediaSpec, feature_shapes
 from k3jax.model import K3Model
 from k3jax.model.layers import compute_views
 from k3jax.steps import make_steps
+from pallas_kernels import backends
 
 
 def batch_shapes(cfg) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -60,9 +61,13 @@ class Program:
     """Bytes of the whole train state over all devices (each array counted once)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.abstract_state))
 
-  def rules(self) -> contextlib.AbstractContextManager:
-    """Installs the mesh rules; trace, lower and call the steps inside it."""
-    return axes.use_rules(self.mesh, parallel.rules(self.cfg.mesh.expert_splits))
+  @contextlib.contextmanager
+  def rules(self):
+    """Installs the mesh rules, and with train.deterministic the kernels that repeat bit for
+    bit; trace, lower and call the steps inside it."""
+    with (axes.use_rules(self.mesh, parallel.rules(self.cfg.mesh.expert_splits)),
+          backends.deterministic(self.cfg.train.deterministic)):
+      yield
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     """The global batch's arrays, sharded as `batch_shardings` says."""

@@ -3,7 +3,33 @@
 "reference": the op's plain-JAX form (`reference.py`); "kernel": the lowering platform's
 kernels; "interpret": the kernels in Pallas interpret mode, on any platform; "auto": chosen
 per platform (and shape) at lowering. An op adds a name of its own only where these would
-mislead (grouped_matmul's "kernel_ws", newton_schulz's "gram_reference")."""
+mislead (grouped_matmul's "kernel_ws", newton_schulz's "gram_reference").
+
+`deterministic()`: while it is on, dispatchers trace only kernels whose results repeat bit
+for bit under XLA's deterministic mode (`train.deterministic`)."""
+
+import contextlib
+import contextvars
+
+_DETERMINISTIC = contextvars.ContextVar("deterministic_kernels", default=False)
+
+
+@contextlib.contextmanager
+def deterministic(on: bool = True):
+  """Traces inside it pick kernels that repeat bit for bit: on GPUs, attention takes the
+  Triton kernel, not cuDNN's (whose deterministic backward needs a workspace of tens of
+  GiB at 4k tokens and does not run). A jitted function keeps the kernels of its first
+  trace, so build one per setting (as `k3jax.program.build` does)."""
+  token = _DETERMINISTIC.set(on)
+  try:
+    yield
+  finally:
+    _DETERMINISTIC.reset(token)
+
+
+def deterministic_only() -> bool:
+  """Whether the current trace is inside `deterministic()`."""
+  return _DETERMINISTIC.get()
 
 
 def check_backend(op: str, backend: str, backends, renamed=None) -> None:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import backends
 from pallas_kernels.attention import (attention_reference, cudnn_ready, flash_cuda, flash_cudnn,
                                       flash_gpu, max_logit_gpu, unique_padding_ids)
 
@@ -107,6 +108,34 @@ def test_flash_cuda_picks_the_form_each_batch_takes():
   np.testing.assert_array_equal(cuda(q, k, v, few), cudnn(64)(q, k, v, segment_ids=few))
   np.testing.assert_array_equal(cuda(q, k, v, many), triton(q, k, v, many))
   assert rel_rms(cuda(q, k, v, many), reference(many)(q, k, v)) < BF16_RMS
+
+
+@needs_cudnn
+def test_deterministic_programs_take_triton_alone():
+  """Inside `backends.deterministic()` the forward and backward hold no cuDNN call (its
+  deterministic backward asks for a workspace of tens of GiB and does not run in XLA), and
+  they equal the Triton kernel's bit for bit; outside it cuDNN is among the branches."""
+  q, k, v = inputs()
+  ids = unique_padding_ids(single_documents())
+
+  def loss(q, k, v):
+    out = flash_cuda(q, k, v, ids, scale=DQK ** -0.5, causal=True)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  # a jitted function keeps its first trace's kernels: one per setting, as programs do
+  grad = lambda: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))  # noqa: E731
+  with backends.deterministic():
+    deterministic = grad()
+    text = deterministic.trace(q, k, v).lower().as_text()
+    got = deterministic(q, k, v)
+  assert "cudnn" not in text and "__gpu$xla.gpu.triton" in text
+  assert "cudnn" in grad().trace(q, k, v).lower().as_text()
+
+  def triton_loss(q, k, v):
+    out = flash_gpu(q, k, v, ids, scale=DQK ** -0.5, causal=True)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  want = jax.jit(jax.value_and_grad(triton_loss, argnums=(0, 1, 2)))(q, k, v)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("shared", [True, False])

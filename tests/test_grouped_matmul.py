@@ -154,6 +154,21 @@ def test_kernel_lowers_for_cuda(transpose_rhs):
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
+def test_each_distinct_kernel_is_lowered_once():
+  """Layers calling the kernel on the same shapes share one lowered function: three
+  forward-and-backward calls lower to the three products' custom calls (gmm, gmm on rhs^T,
+  tgmm), not nine."""
+  sd = jax.ShapeDtypeStruct
+
+  def layers(x, w, sizes):
+    outs = [grouped_matmul(x, w, sizes, backend="kernel_ws") for _ in range(3)]
+    return sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
+  args = sd((512, 1024), jnp.bfloat16), sd((4, 1024, 768), jnp.bfloat16), sd((4,), jnp.int32)
+  text = jax.jit(jax.value_and_grad(layers, argnums=(0, 1))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+
+
 @pytest.mark.parametrize("num_sms,chain", [(1, True), (3, True), (16, True), (3, False)])
 def test_warp_specialized_kernel_matches_reference_in_interpreter(num_sms, chain):
   """`gmm_ws` in Mosaic GPU's interpreter equals a matmul per group: one CTA running all

@@ -166,6 +166,19 @@ def test_step_scatters_only_what_it_must():
   assert {s for s in shapes if s != table and not kda_form(s)} == set()
 
 
+def test_deterministic_programs_trace_with_the_deterministic_kernels():
+  """train.deterministic reaches the kernels' dispatchers: a program's steps trace inside
+  `pallas_kernels.backends.deterministic()` exactly when its config asks for it."""
+  from pallas_kernels import backends  # noqa: PLC0415
+  for on in (False, True):
+    cfg = micro_config()
+    cfg.train.deterministic = on
+    prog = program.build(k3config.validate(cfg), parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
+    with prog.rules():
+      assert backends.deterministic_only() is on
+    assert backends.deterministic_only() is False
+
+
 def test_chunks_must_split_the_sequence():
   h, w, targets, weights = _head_problem()
   with pytest.raises(ValueError, match="32 positions do not split into chunks of 5"):

@@ -15,7 +15,7 @@ from pallas_kernels.attention.cudnn import cudnn_ready, flash_cudnn, run_slots, 
 from pallas_kernels.attention.flash import flash_gpu, flash_tpu, unique_padding_ids
 from pallas_kernels.attention.max_logit import max_logit, max_logit_block, max_logit_gpu
 from pallas_kernels.attention.reference import attention_mask, attention_reference
-from pallas_kernels.backends import check_backend
+from pallas_kernels.backends import check_backend, deterministic_only
 from pallas_kernels.shard_types import axis_names
 
 __all__ = ["BACKENDS", "RENAMED", "attention", "attention_mask", "attention_reference",
@@ -49,9 +49,10 @@ def _sharded(kernel, q, k, v, ids, *, mesh, batch_axis, head_axis, seq_axis,
 
 
 def flash_cuda(q, k, v, ids, *, scale, causal):
-  """The GPU kernel, chosen per batch at run time: cuDNN unpacked, cuDNN packed, or Triton."""
+  """The GPU kernel, chosen per batch at run time: cuDNN unpacked, cuDNN packed, or Triton;
+  Triton alone inside `backends.deterministic()`."""
   triton = functools.partial(flash_gpu, ids=ids, scale=scale, causal=causal)
-  if not cudnn_ready():
+  if not cudnn_ready() or deterministic_only():
     return triton(q, k, v)
   segments = jnp.maximum(ids, 0)
   slots = run_slots(*q.shape)

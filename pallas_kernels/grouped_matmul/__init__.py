@@ -19,8 +19,17 @@ from pallas_kernels.shard_types import cotangent_like
 __all__ = ["BACKENDS", "grouped_matmul", "resolve_backend"]
 
 BACKENDS = ("reference", "kernel", "kernel_ws", "auto")
-_PRODUCTS = {"reference": reference, "kernel": kernel,
-             "kernel_ws": types.SimpleNamespace(gmm=kernel_ws.gmm_ws, tgmm=kernel_ws.tgmm_ws)}
+
+
+def _lowered_once(gmm, tgmm) -> types.SimpleNamespace:
+  """The kernels as jitted functions: a program lowers each distinct call once (a shared
+  function), not at every layer, microbatch and remat copy that calls it."""
+  return types.SimpleNamespace(gmm=jax.jit(gmm, static_argnames="transpose_rhs"),
+                               tgmm=jax.jit(tgmm))
+
+
+_PRODUCTS = {"reference": reference, "kernel": _lowered_once(kernel.gmm, kernel.tgmm),
+             "kernel_ws": _lowered_once(kernel_ws.gmm_ws, kernel_ws.tgmm_ws)}
 # the GPU kernels, fastest first (benchmarks/results/moe.md): what "auto" tries in turn
 _CHECKS = {"kernel_ws": kernel_ws.check_ws, "kernel": kernel.check}
 
