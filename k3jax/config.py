@@ -47,7 +47,7 @@ def train_config() -> ml_collections.ConfigDict:
   # XLA options "name=value", comma/space separated; xla_tpu_*/xla_gpu_*/xla_cpu_* apply
   # on that platform only
   t.xla_options = ""
-  # True: XLA's deterministic GPU ops, bit-exact repeats (benchmarks/results/train_step.md)
+  # True: XLA's deterministic GPU ops and kernels (MLA on Triton, not cuDNN): bit-exact repeats
   t.deterministic = False
   t.steps = 100_000
   t.log_every = 10
