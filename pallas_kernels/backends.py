@@ -17,8 +17,8 @@ _DETERMINISTIC = contextvars.ContextVar("deterministic_kernels", default=False)
 @contextlib.contextmanager
 def deterministic(on: bool = True):
   """Traces inside it pick kernels that repeat bit for bit: on GPUs, attention takes the
-  Triton kernel, not cuDNN's (whose deterministic backward needs a workspace of tens of
-  GiB at 4k tokens and does not run). A jitted function keeps the kernels of its first
+  Triton kernel, not cuDNN's (whose deterministic backward fails to run in XLA:
+  benchmarks/results/train_step.md). A jitted function keeps the kernels of its first
   trace, so build one per setting (as `k3jax.program.build` does)."""
   token = _DETERMINISTIC.set(on)
   try:

@@ -113,7 +113,7 @@ def test_flash_cuda_picks_the_form_each_batch_takes():
 @needs_cudnn
 def test_deterministic_programs_take_triton_alone():
   """Inside `backends.deterministic()` the forward and backward hold no cuDNN call (its
-  deterministic backward asks for a workspace of tens of GiB and does not run in XLA), and
+  deterministic backward does not run in XLA), and
   they equal the Triton kernel's bit for bit; outside it cuDNN is among the branches."""
   q, k, v = inputs()
   ids = unique_padding_ids(single_documents())
