@@ -67,7 +67,8 @@ def train_config() -> ml_collections.ConfigDict:
   # "S:K": resuming from step S, skip the data of the next K steps; "": none
   t.skip_batches = ""
   # JAX's persistent compilation cache in <workdir>/compilation_cache (or
-  # JAX_COMPILATION_CACHE_DIR); False: none
+  # JAX_COMPILATION_CACHE_DIR), and on GPU and TPU the compiled train step stored
+  # there (k3jax.executables); False: neither
   t.compilation_cache = True
   t.grad_clip_norm = 1.0
   t.peak_tflops = 0.0    # per-device peak for the MFU estimate; 0 = detect from the device

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from k3jax import flops, parallel, program
+from k3jax import executables, flops, parallel, program
 
 GIB = 2 ** 30
 # HBM per JAX device, matched in order against device_kind (lowercase); an Ironwood chip
@@ -51,6 +51,7 @@ class Report:
   tokens_per_step: int
   compile_seconds: float
   slices: dict = dataclasses.field(default_factory=dict)  # mesh axis -> slices it spans (> 1)
+  loaded: bool = False   # the executable came from `executables`' store, not from XLA
 
   @property
   def total_bytes(self) -> int:
@@ -68,7 +69,7 @@ class Report:
     across = math.prod(self.slices.values())
     dcn = (f" in {across} slices, over DCN {self.slices}" if across > 1 else "")
     out = [f"topology: {self.chips} x {self.device_kind}{dcn}, mesh {self.mesh}",
-           f"compiled in {self.compile_seconds:.0f} s",
+           f"{'loaded' if self.loaded else 'compiled'} in {self.compile_seconds:.0f} s",
            f"HBM per chip: arguments {g(self.argument_bytes)}, outputs {g(self.output_bytes)}"
            f" (aliased to arguments {g(self.alias_bytes)}), temporaries {g(self.temp_bytes)},"
            f" code {g(self.code_bytes)}",
@@ -109,13 +110,16 @@ def check_state_fits(prog: program.Program, capacity: int | None) -> int:
   return need
 
 
-def compile_report(prog: program.Program) -> tuple[Report, jax.stages.Compiled]:
-  """(memory and FLOPs report, executable) of `prog`'s train step compiled on abstract arrays."""
+def compile_report(prog: program.Program, *, executable_dir: str | None = None,
+                   log=print) -> tuple[Report, jax.stages.Compiled]:
+  """(memory and FLOPs report, executable) of `prog`'s train step compiled on abstract arrays;
+  executable_dir: where `executables` keeps compiled steps (None: compile, keep nothing)."""
   device = prog.mesh.devices.flat[0]
   t0 = time.time()
-  lowered = prog.lower_train_step()
   try:
-    compiled = lowered.compile()
+    compiled, loaded = executables.load_or_compile(
+        "train_step", prog.lower_train_step, fields=program.program_key(prog.cfg),
+        mesh=prog.mesh, directory=executable_dir, log=log)
   except Exception as e:  # noqa: BLE001  (XLA raises its runtime error type)
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -140,7 +144,7 @@ def compile_report(prog: program.Program) -> tuple[Report, jax.stages.Compiled]:
       alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
       code_bytes=mem.generated_code_size_in_bytes, capacity_bytes=hbm_bytes(device),
       flops_per_chip=(cost or {}).get("flops"), tokens_per_step=t.global_batch * t.seq_len,
-      compile_seconds=seconds,
+      compile_seconds=seconds, loaded=loaded,
       slices={a: n for a, n in parallel.slices_along(prog.mesh).items() if n > 1})
   return report, compiled
 
@@ -156,16 +160,17 @@ def check_fits(report: Report) -> None:
         "a smaller batch per chip or more rematerialization (config.model.remat)")
 
 
-def preflight(prog: program.Program, *, log=print,
-              step_time: float | None = None) -> tuple[Report | None, Any]:
-  """Both fit checks: (report, compiled step), or (None, jitted step) on CPU."""
+def preflight(prog: program.Program, *, log=print, step_time: float | None = None,
+              executable_dir: str | None = None) -> tuple[Report | None, Any]:
+  """Both fit checks: (report, compiled step), or (None, jitted step) on CPU;
+  executable_dir: `compile_report`'s."""
   capacity = hbm_bytes(prog.mesh.devices.flat[0])
   need = check_state_fits(prog, capacity)
   if capacity is None:
     return None, prog.train_step
   log(f"train state: {need / GIB:.1f} GiB per chip of {capacity / GIB:.0f} GiB; train step: "
       "compiling to check its memory ...")
-  report, compiled = compile_report(prog)
+  report, compiled = compile_report(prog, executable_dir=executable_dir, log=log)
   log("\n".join(report.lines(step_time)))
   check_fits(report)
   return report, compiled

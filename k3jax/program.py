@@ -63,10 +63,10 @@ class Program:
 
   @contextlib.contextmanager
   def rules(self):
-    """Installs the mesh rules, and with train.deterministic the kernels that repeat bit for
-    bit; trace, lower and call the steps inside it."""
+    """Installs the mesh rules, with train.deterministic the kernels that repeat bit for bit,
+    and `threefry_as_one_kernel`; trace, lower and call the steps inside it."""
     with (axes.use_rules(self.mesh, parallel.rules(self.cfg.mesh.expert_splits)),
-          backends.deterministic(self.cfg.train.deterministic)):
+          backends.deterministic(self.cfg.train.deterministic), threefry_as_one_kernel()):
       yield
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -78,6 +78,19 @@ class Program:
     """The train step lowered on the abstract state and batch (nothing is allocated)."""
     with self.rules():
       return self.train_step.lower(*self.abstract_state, self.abstract_batch())
+
+
+@contextlib.contextmanager
+def threefry_as_one_kernel():
+  """On GPUs, threefry (each parameter's initial draw) lowers to one CUDA kernel rather than
+  to its expansion in HLO ops, which XLA compiles several times slower; the same bits."""
+  flag = "jax_threefry_gpu_kernel_lowering"
+  before = getattr(jax.config, flag)
+  jax.config.update(flag, True)
+  try:
+    yield
+  finally:
+    jax.config.update(flag, before)
 
 
 def build(cfg, mesh: Mesh) -> Program:
@@ -174,8 +187,9 @@ _BUILT: collections.OrderedDict = collections.OrderedDict()
 _KEEP_BUILT = 2
 
 
-def build_once(cfg, mesh: Mesh) -> Program:
-  """`build`, cached per process (the last two programs)."""
+def program_key(cfg) -> str:
+  """The config fields the program depends on, as JSON: configs with the same key build the
+  same program on the same mesh."""
   fields = cfg.to_dict()
   for dotted in RUN_ONLY_FIELDS:
     *parents, leaf = dotted.split(".")
@@ -184,7 +198,12 @@ def build_once(cfg, mesh: Mesh) -> Program:
   # The data section is run-only except for the batch's arrays it implies (abstract_batch).
   fields["batch"] = {name: (shape, str(dtype)) for name, (shape, dtype)
                      in batch_shapes(cfg).items()}
-  key = (json.dumps(fields, sort_keys=True, default=repr), mesh)
+  return json.dumps(fields, sort_keys=True, default=repr)
+
+
+def build_once(cfg, mesh: Mesh) -> Program:
+  """`build`, cached per process (the last two programs)."""
+  key = (program_key(cfg), mesh)
   if key not in _BUILT:
     _BUILT[key] = build(cfg, mesh)
     while len(_BUILT) > _KEEP_BUILT:

@@ -200,8 +200,9 @@ def _train(cfg, workdir, preemption, stop_after, profile_steps):
   t = cfg.train
   tokenizer = make_tokenizer(cfg)
   tasks = eval_tasks(t)
-  if t.compilation_cache:
-    say(f"compile: cache in {compilation_cache(workdir)}")
+  cache_dir = compilation_cache(workdir) if t.compilation_cache else None
+  if cache_dir:
+    say(f"compile: cache in {cache_dir}")
   say(f"k3jax: jax {jax.__version__}, {jax.process_count()} process(es), "
       f"{jax.device_count()} device(s): {jax.devices()[0].device_kind} "
       f"({jax.default_backend()})")
@@ -215,7 +216,7 @@ def _train(cfg, workdir, preemption, stop_after, profile_steps):
   describe_program(cfg, prog)
   checkpoint.check_free_space(ckpt.directory, prog.state_bytes)
   # Check the state and the compiled step against HBM before allocating anything.
-  _, train_step = memory.preflight(prog, log=say)
+  _, train_step = memory.preflight(prog, log=say, executable_dir=cache_dir)
   data_iter = iter(k3data.make_dataset(cfg.data, seq_len=t.seq_len, global_batch=t.global_batch,
                                        seed=cfg.seed, process_index=jax.process_index(),
                                        process_count=jax.process_count(),

@@ -9,3 +9,14 @@ def target_platform(mesh=None, platform=None) -> str:
   if platform is None:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
   return "gpu" if platform == "cuda" else platform
+
+
+def load_runtimes(platform: str) -> None:
+  """Makes the kernels' host libraries findable as lowering them would: a compiled program
+  loaded from disk runs Mosaic GPU kernels without lowering any (whose import names
+  Mosaic GPU's runtime library to XLA's custom call)."""
+  if target_platform(platform=platform) == "gpu":
+    try:
+      import jax.experimental.mosaic.gpu  # noqa: F401, PLC0415
+    except ImportError:   # a jaxlib without Mosaic GPU runs no such kernel
+      pass

@@ -179,6 +179,23 @@ def test_deterministic_programs_trace_with_the_deterministic_kernels():
     assert backends.deterministic_only() is False
 
 
+def test_init_draws_with_one_threefry_kernel_on_gpus():
+  """Inside `Program.rules()` a program's init lowered for CUDA calls threefry as custom
+  calls (one kernel each), not its expansion into shifts and adds; outside, the flag is as
+  it was. The GPU run that measured the compile gave the same 680 arrays bit for bit
+  (benchmarks/results/compile_time.md)."""
+  cfg = micro_config()
+  prog = program.build(k3config.validate(cfg), parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
+  lower = lambda: prog.init.trace().lower(lowering_platforms=("cuda",)).as_text()  # noqa: E731
+  before = jax.config.jax_threefry_gpu_kernel_lowering
+  with prog.rules():
+    inside = lower()
+  assert jax.config.jax_threefry_gpu_kernel_lowering == before
+  outside = lower()
+  assert inside.count("cu_threefry2x32") > 0 and "stablehlo.shift_left" not in inside
+  assert "cu_threefry2x32" not in outside and "stablehlo.shift_left" in outside
+
+
 def test_chunks_must_split_the_sequence():
   h, w, targets, weights = _head_problem()
   with pytest.raises(ValueError, match="32 positions do not split into chunks of 5"):
