@@ -5,7 +5,8 @@ traces and lowers it before the cache answers. Here the key is what decides the 
 before any tracing: the program's config fields (`program.program_key`), the mesh and its
 devices, the versions of the libraries that trace it, jax's flags, XLA's environment and the
 source of k3jax and pallas_kernels. A stored executable that cannot be read is moved aside
-(`<file>.unreadable`) and the program compiled again.
+(`<file>.unreadable`) and the program compiled again; one that JAX's cache answered is not
+stored.
 
   compiled, loaded = load_or_compile("train_step", lower, fields=program_key(cfg),
                                      mesh=mesh, directory=cache_dir)"""
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+from jax import monitoring
 from jax.experimental import serialize_executable
 
 from pallas_kernels.platform import load_runtimes
@@ -92,7 +94,12 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], *, field
       log(f"compile: {name} loaded from {path} in {time.time() - t0:.1f} s")
       _remember(path, compiled)
       return compiled, True
-  compiled = lower().compile()
+  compiled, from_jax_cache = _compile(lower)
+  if from_jax_cache:
+    # re-serialized, such an executable loses its compiled functions on CPU (they fail at
+    # run time, not at load); unproven elsewhere, so it is not stored
+    log(f"compile: {name} came from JAX's compilation cache; not stored")
+    return compiled, False
   try:
     blob, in_tree, out_tree = serialize_executable.serialize(compiled)
   except (ValueError, NotImplementedError) as e:   # what JAX cannot serialize yet
@@ -106,6 +113,21 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], *, field
   os.replace(partial, path)
   _remember(path, compiled)
   return compiled, False
+
+
+def _compile(lower) -> tuple[jax.stages.Compiled, bool]:
+  """(lower().compile(), whether JAX's persistent cache answered it)."""
+  hits = []
+
+  def listen(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+      hits.append(event)
+
+  monitoring.register_event_listener(listen)
+  try:
+    return lower().compile(), bool(hits)
+  finally:
+    monitoring.unregister_event_listener(listen)
 
 
 def _load(path: Path, devices) -> jax.stages.Compiled:

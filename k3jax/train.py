@@ -201,8 +201,6 @@ def _train(cfg, workdir, preemption, stop_after, profile_steps):
   tokenizer = make_tokenizer(cfg)
   tasks = eval_tasks(t)
   cache_dir = compilation_cache(workdir) if t.compilation_cache else None
-  if cache_dir:
-    say(f"compile: cache in {cache_dir}")
   say(f"k3jax: jax {jax.__version__}, {jax.process_count()} process(es), "
       f"{jax.device_count()} device(s): {jax.devices()[0].device_kind} "
       f"({jax.default_backend()})")
@@ -412,12 +410,12 @@ def program_text(prog, train_step) -> str:
 
 
 def compilation_cache(workdir: str) -> str:
-  """JAX's compilation cache in <workdir>/compilation_cache unless one is set."""
-  current = jax.config.jax_compilation_cache_dir
-  if current:
-    return current
-  path = os.fspath(paths.path(workdir) / "compilation_cache")
-  jax.config.update("jax_compilation_cache_dir", path)
+  """JAX's compilation cache in <workdir>/compilation_cache unless one is set; says which."""
+  path = jax.config.jax_compilation_cache_dir
+  if not path:
+    path = os.fspath(paths.path(workdir) / "compilation_cache")
+    jax.config.update("jax_compilation_cache_dir", path)
+  say(f"compile: cache in {path}")
   return path
 
 

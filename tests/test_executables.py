@@ -2,6 +2,7 @@
 tracing or lowering; its key follows everything that decides the program and nothing that
 does not; an unreadable stored executable is moved aside and the step compiled again."""
 
+import contextlib
 import os
 
 import jax
@@ -23,6 +24,38 @@ def _fresh_process_memory():
   executables._LOADED.clear()
 
 
+@contextlib.contextmanager
+def jax_cache_in(directory, *, keep: bool):
+  """JAX's persistent cache in `directory` (empty: a compile is XLA's, not an answer of the
+  suite's cache), keeping every program or none."""
+  from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
+  flags = {"jax_compilation_cache_dir": str(directory),
+           "jax_persistent_cache_min_compile_time_secs": 0 if keep else 1e9,
+           "jax_persistent_cache_min_entry_size_bytes": 0}
+  saved = {flag: getattr(jax.config, flag) for flag in flags}
+  for flag, value in flags.items():
+    jax.config.update(flag, value)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    for flag, value in saved.items():
+      jax.config.update(flag, value)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def no_jax_cache(tmp_path):
+  with jax_cache_in(tmp_path / "jax_cache", keep=False):
+    yield
+
+
+@pytest.fixture
+def jax_cache_keeping_all(tmp_path):
+  with jax_cache_in(tmp_path / "jax_cache", keep=True):
+    yield
+
+
 def small_program():
   cfg = micro_config()
   cfg.model.num_layers, cfg.model.mla_every, cfg.model.dense_layers = 2, 2, 0
@@ -42,7 +75,8 @@ def batch_of(prog):
           for name, s in shapes.items()}
 
 
-def test_a_rerun_loads_the_stored_train_step_without_tracing_it(tmp_path, monkeypatch):
+def test_a_rerun_loads_the_stored_train_step_without_tracing_it(tmp_path, monkeypatch,
+                                                                no_jax_cache):
   """The first compile stores the step; a rerun (nothing in this process' memory) loads it
   with lowering forbidden, reports the same memory and FLOPs, and one step of each gives
   the same state and loss bit for bit."""
@@ -102,16 +136,35 @@ def test_the_key_follows_what_decides_the_program(monkeypatch):
       jax.config.update(flag, before)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "another format"])
-def test_an_unreadable_executable_is_moved_aside_and_compiled_again(tmp_path, damage):
-  """A damaged or foreign stored file: a line naming it, the file kept as <name>.unreadable,
-  the program compiled and stored afresh, and its result right."""
+def cumsum_program(directory):
+  """(x, store): store(log) is `load_or_compile` of a small sharded program on 2 devices."""
   mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",))
   x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
   fn = jax.jit(lambda x: {"y": jnp.cumsum(x) * 2})
-  fields = '{"test": "cumsum"}'
-  store = lambda log=print: executables.load_or_compile(  # noqa: E731
-      "cumsum", lambda: fn.lower(x), fields=fields, mesh=mesh, directory=tmp_path, log=log)
+  return x, fn, lambda log=print: executables.load_or_compile(
+      "cumsum", lambda: fn.lower(x), fields='{"test": "cumsum"}', mesh=mesh,
+      directory=directory, log=log)
+
+
+def test_a_program_jaxs_cache_answered_is_not_stored(tmp_path, jax_cache_keeping_all):
+  """Re-serialized, such an executable fails at run time on CPU ("Function ... not found"):
+  the store keeps only what XLA compiled in this process."""
+  x, fn, store = cumsum_program(tmp_path)
+  fn.lower(x).compile()    # into JAX's cache
+  jax.clear_caches()       # as a new process: only the persistent cache has it
+  logged = []
+  compiled, loaded = store(logged.append)
+  assert not loaded and "came from JAX's compilation cache; not stored" in logged[0]
+  assert not (tmp_path / "executables").exists()
+  np.testing.assert_array_equal(np.asarray(compiled(x)["y"]), 2 * np.cumsum(np.arange(8.0)))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "another format"])
+def test_an_unreadable_executable_is_moved_aside_and_compiled_again(tmp_path, damage,
+                                                                   no_jax_cache):
+  """A damaged or foreign stored file: a line naming it, the file kept as <name>.unreadable,
+  the program compiled and stored afresh, and its result right."""
+  x, _, store = cumsum_program(tmp_path)
   _, loaded = store()
   assert not loaded
   (path,) = (tmp_path / "executables").iterdir()
