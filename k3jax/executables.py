@@ -77,13 +77,14 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], *, field
   compile, store nothing."""
   if directory is None:
     return lower().compile(), False
-  path = Path(directory) / "executables" / f"{name}-{key(fields, mesh)[:40]}.pkl"
+  hex_key = key(fields, mesh)
+  path = Path(directory) / "executables" / f"{name}-{hex_key[:40]}.pkl"
   if os.fspath(path) in _LOADED:
     return _LOADED[os.fspath(path)], True
   if path.exists():
     t0 = time.time()
     try:
-      compiled = _load(path, list(mesh.devices.flat))
+      compiled = _load(path, hex_key, list(mesh.devices.flat))
     except Exception as e:  # noqa: BLE001  (unpickling and the runtime raise many types)
       aside = path.with_name(path.name + ".unreadable")
       os.replace(path, aside)
@@ -108,7 +109,7 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], *, field
   path.parent.mkdir(parents=True, exist_ok=True)
   partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
   with open(partial, "wb") as f:
-    pickle.dump({"format": FORMAT, "name": name, "key": key, "executable": blob,
+    pickle.dump({"format": FORMAT, "name": name, "key": hex_key, "executable": blob,
                  "in_tree": in_tree, "out_tree": out_tree}, f, protocol=pickle.HIGHEST_PROTOCOL)
   os.replace(partial, path)
   _remember(path, compiled)
@@ -130,12 +131,14 @@ def _compile(lower) -> tuple[jax.stages.Compiled, bool]:
     monitoring.unregister_event_listener(listen)
 
 
-def _load(path: Path, devices) -> jax.stages.Compiled:
+def _load(path: Path, hex_key: str, devices) -> jax.stages.Compiled:
   load_runtimes(devices[0].platform)
   with open(path, "rb") as f:
     stored = pickle.load(f)
   if not isinstance(stored, dict) or stored.get("format") != FORMAT:
     raise ValueError(f"not an executable of format {FORMAT}")
+  if stored.get("key") != hex_key:
+    raise ValueError("stored for another program (its key differs)")
   return serialize_executable.deserialize_and_load(
       stored["executable"], stored["in_tree"], stored["out_tree"], backend=devices[0].client,
       execution_devices=devices)

@@ -159,20 +159,23 @@ def test_a_program_jaxs_cache_answered_is_not_stored(tmp_path, jax_cache_keeping
   np.testing.assert_array_equal(np.asarray(compiled(x)["y"]), 2 * np.cumsum(np.arange(8.0)))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "another format"])
+@pytest.mark.parametrize("damage", ["truncated", "another format", "another program"])
 def test_an_unreadable_executable_is_moved_aside_and_compiled_again(tmp_path, damage,
                                                                    no_jax_cache):
-  """A damaged or foreign stored file: a line naming it, the file kept as <name>.unreadable,
-  the program compiled and stored afresh, and its result right."""
+  """A damaged, foreign or misnamed stored file: a line naming it, the file kept as
+  <name>.unreadable, the program compiled and stored afresh, and its result right."""
   x, _, store = cumsum_program(tmp_path)
   _, loaded = store()
   assert not loaded
   (path,) = (tmp_path / "executables").iterdir()
+  import pickle  # noqa: PLC0415
   if damage == "truncated":
     path.write_bytes(path.read_bytes()[:1000])
-  else:
-    import pickle  # noqa: PLC0415
+  elif damage == "another format":
     path.write_bytes(pickle.dumps({"format": 0}))
+  else:   # a whole file under this name, stored for some other key
+    stored = pickle.loads(path.read_bytes())
+    path.write_bytes(pickle.dumps({**stored, "key": "0" * 64}))
   executables._LOADED.clear()
   logged = []
   compiled, loaded = store(logged.append)
