@@ -36,8 +36,6 @@ _NOT_KEYED = ("jax_compilation_cache", "jax_persistent_cache", "jax_log_compiles
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax")
 _PACKAGES = ("k3jax", "pallas_kernels")
 _ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
-_LOADED: dict[str, jax.stages.Compiled] = {}   # this process' loads, by file
-_KEEP_LOADED = 2
 
 
 def source_digest() -> str:
@@ -79,8 +77,6 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], *, field
     return lower().compile(), False
   hex_key = key(fields, mesh)
   path = Path(directory) / "executables" / f"{name}-{hex_key[:40]}.pkl"
-  if os.fspath(path) in _LOADED:
-    return _LOADED[os.fspath(path)], True
   if path.exists():
     t0 = time.time()
     try:
@@ -89,11 +85,10 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], *, field
       aside = path.with_name(path.name + ".unreadable")
       os.replace(path, aside)
       log(f"compile: the stored {name} in {path} could not be loaded "
-          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); moved to "
+          f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); moved to "
           f"{aside.name}, compiling")
     else:
       log(f"compile: {name} loaded from {path} in {time.time() - t0:.1f} s")
-      _remember(path, compiled)
       return compiled, True
   compiled, from_jax_cache = _compile(lower)
   if from_jax_cache:
@@ -112,7 +107,6 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], *, field
     pickle.dump({"format": FORMAT, "name": name, "key": hex_key, "executable": blob,
                  "in_tree": in_tree, "out_tree": out_tree}, f, protocol=pickle.HIGHEST_PROTOCOL)
   os.replace(partial, path)
-  _remember(path, compiled)
   return compiled, False
 
 
@@ -142,9 +136,3 @@ def _load(path: Path, hex_key: str, devices) -> jax.stages.Compiled:
   return serialize_executable.deserialize_and_load(
       stored["executable"], stored["in_tree"], stored["out_tree"], backend=devices[0].client,
       execution_devices=devices)
-
-
-def _remember(path: Path, compiled: jax.stages.Compiled) -> None:
-  _LOADED[os.fspath(path)] = compiled
-  while len(_LOADED) > _KEEP_LOADED:
-    _LOADED.pop(next(iter(_LOADED)))

@@ -16,14 +16,6 @@ from conftest import micro_config
 from k3jax import executables, memory, parallel, program
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_memory():
-  """Each test starts as a new process would: nothing loaded yet."""
-  executables._LOADED.clear()
-  yield
-  executables._LOADED.clear()
-
-
 @contextlib.contextmanager
 def jax_cache_in(directory, *, keep: bool):
   """JAX's persistent cache in `directory` (empty: a compile is XLA's, not an answer of the
@@ -77,15 +69,14 @@ def batch_of(prog):
 
 def test_a_rerun_loads_the_stored_train_step_without_tracing_it(tmp_path, monkeypatch,
                                                                 no_jax_cache):
-  """The first compile stores the step; a rerun (nothing in this process' memory) loads it
-  with lowering forbidden, reports the same memory and FLOPs, and one step of each gives
-  the same state and loss bit for bit."""
+  """The first compile stores the step; a rerun loads it with lowering forbidden, reports
+  the same memory and FLOPs, and one step of each gives the same state and loss bit for
+  bit."""
   prog = small_program()
   first, compiled = memory.compile_report(prog, executable_dir=tmp_path)
   assert not first.loaded and "compiled in" in "\n".join(first.lines())
   assert [p.name.split("-")[0] for p in (tmp_path / "executables").iterdir()] == ["train_step"]
 
-  executables._LOADED.clear()
   logged = []
 
   def no_tracing(self):
@@ -176,14 +167,12 @@ def test_an_unreadable_executable_is_moved_aside_and_compiled_again(tmp_path, da
   else:   # a whole file under this name, stored for some other key
     stored = pickle.loads(path.read_bytes())
     path.write_bytes(pickle.dumps({**stored, "key": "0" * 64}))
-  executables._LOADED.clear()
   logged = []
   compiled, loaded = store(logged.append)
   assert not loaded
   assert str(path) in logged[0] and "could not be loaded" in logged[0]
   assert (path.parent / (path.name + ".unreadable")).exists() and path.exists()
   np.testing.assert_array_equal(np.asarray(compiled(x)["y"]), 2 * np.cumsum(np.arange(8.0)))
-  executables._LOADED.clear()
   again, loaded = store()
   assert loaded
   np.testing.assert_array_equal(np.asarray(again(x)["y"]), 2 * np.cumsum(np.arange(8.0)))
