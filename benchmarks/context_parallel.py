@@ -3,11 +3,13 @@
 Per shape (B, T, H, D), bf16, two documents a row, forward + backward (the VJP of a fixed
 cotangent), timed back to back (`kda.time_jax`):
   slice      `kda` on one device over T / N tokens: the work of a slice, no chaining;
-  context    `kda` with T split over the N devices (`seq_axis`): each slice run once with
-             the state widened to [K, V + K], the maps chained across devices. With one
-             device (N = 1) the chain is empty and this times the widened pass alone.
-The ratio context / slice is the cost of context parallelism in KDA. Prints one JSON line
-per shape, and the error of the context run against the unsplit fp32 chunked form.
+  context    `kda` with T split over the N devices (`seq_axis`): the kernels chain their
+             own spans' transitions across devices (`context_kernel.py`);
+  two-pass   the same split run as any backend is (`context.kda_context`: each slice twice,
+             from zero and from the identity), the form the kernels used before.
+With one device (N = 1) the chains are empty and the columns time a device's own work.
+The ratios to slice are the cost of context parallelism in KDA. Prints one JSON line per
+shape, and the error of the context run against the unsplit fp32 chunked form.
 
     python3 benchmarks/context_parallel.py --shapes 2,8192,16,128 1,32768,16,128
 """
@@ -15,6 +17,7 @@ per shape, and the error of the context run against the unsplit fp32 chunked for
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -24,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from harness import rel_rms, time_jax
 from pallas_kernels import kda as kda_ops
+from pallas_kernels.kda.context import kda_context_sharded
 
 
 def inputs(B, T, H, D, seed=0):
@@ -36,11 +40,23 @@ def inputs(B, T, H, D, seed=0):
               do=f(B, T, H, D), seg=seg)
 
 
-def fwd_bwd(seg, **kw):
-  def run(q, k, v, g, beta, do):
+def fwd_bwd(**kw):
+  """jit of (inputs, do, segment ids) -> (o, dq, dk, dv, dg, dbeta); ids traced, not constants
+  (XLA would fold the document masks of a constant row for minutes at 128k)."""
+  def run(q, k, v, g, beta, do, seg):
     o, vjp = jax.vjp(lambda *a: kda_ops.kda(*a, segment_ids=seg, **kw), q, k, v, g, beta)
     return (o,) + vjp(do)
   return jax.jit(run)
+
+
+def split_over(local, mesh):
+  """fwd_bwd of the split with `local` running each device's slice."""
+  def fn(q, k, v, g, beta, do, seg):
+    split = lambda *a: kda_context_sharded(local, *a, segment_ids=seg, mesh=mesh,  # noqa: E731
+                                           seq_axis="context")
+    o, vjp = jax.vjp(split, q, k, v, g, beta)
+    return (o,) + vjp(do)
+  return jax.jit(fn)
 
 
 def main():
@@ -48,6 +64,8 @@ def main():
   parser.add_argument("--shapes", nargs="+", default=["2,8192,16,128"])
   parser.add_argument("--backend", default="kernel")
   parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--transition_blocks", nargs="*", type=int, default=[],
+                      help="also time the context run with these rows per transition program")
   args = parser.parse_args()
   devices = jax.devices()
   n = len(devices)
@@ -58,21 +76,27 @@ def main():
     names = ("q", "k", "v", "g", "beta", "do")
     bf = {k: jnp.asarray(x[k], jnp.bfloat16) for k in names}
     t = T // n
-    local = [bf[k][:, :t] for k in names]
-    slice_ms = time_jax(fwd_bwd(jnp.asarray(x["seg"][:, :t]), backend=args.backend),
-                        local, args.reps)
+    local = [bf[k][:, :t] for k in names] + [jnp.asarray(x["seg"][:, :t])]
+    slice_ms = time_jax(fwd_bwd(backend=args.backend), local, args.reps)
     split = NamedSharding(mesh, P(None, "context"))
-    placed = [jax.device_put(bf[k], split) for k in names]
-    seg = jax.device_put(jnp.asarray(x["seg"]), split)
-    run = fwd_bwd(seg, backend=args.backend, mesh=mesh, seq_axis="context")
+    placed = [jax.device_put(a, split) for a in [bf[k] for k in names] + [x["seg"]]]
+    run = fwd_bwd(backend=args.backend, mesh=mesh, seq_axis="context")
     context_ms = time_jax(run, placed, args.reps)
+    interpret = args.backend == "interpret"
+    two_pass = functools.partial(kda_ops.kda_context,
+                                 functools.partial(kda_ops.kda_pallas, interpret=interpret))
+    two_pass_ms = time_jax(split_over(two_pass, mesh), placed, args.reps)
+    by_block = {b: round(time_jax(split_over(functools.partial(
+        kda_ops.kda_pallas_context, interpret=interpret, transition_block=b), mesh),
+        placed, args.reps), 3) for b in args.transition_blocks}
     got = run(*placed)
-    want = fwd_bwd(jnp.asarray(x["seg"]), backend="reference")(
-        *[jnp.asarray(x[k]) for k in names])
+    want = fwd_bwd(backend="reference")(*[jnp.asarray(x[k]) for k in names + ("seg",)])
     print(json.dumps(dict(
         device=devices[0].device_kind, devices=n, jax=jax.__version__, shape=[B, T, H, D],
         backend=args.backend, slice_tokens=t, slice_fwd_bwd_ms=round(slice_ms, 3),
         context_fwd_bwd_ms=round(context_ms, 3), ratio=round(context_ms / slice_ms, 3),
+        two_pass_fwd_bwd_ms=round(two_pass_ms, 3), two_pass_ratio=round(two_pass_ms / slice_ms, 3),
+        context_ms_by_transition_block=by_block,
         err={name: round(rel_rms(np.asarray(a, np.float32), np.asarray(b)), 5)
              for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, want)})),
           flush=True)

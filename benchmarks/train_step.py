@@ -180,7 +180,7 @@ def time_train_step(prog, batch, t):
   last loss): prog's train step on batch (placed as prog's batch shardings), fresh state;
   with --profile_dir one more step traced, its HLO beside the trace."""
   with prog.rules():
-    state = prog.init()
+    state = prog.fresh_state()
     t0 = time.perf_counter()
     step = prog.train_step.lower(*state, batch).compile()
     print(f"# train step compiled in {time.perf_counter() - t0:.0f} s "
@@ -238,7 +238,7 @@ def main(argv):
   prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))
   abs_params = prog.abstract_params
   with prog.rules():
-    params, _, opt_state = prog.init()
+    params, _, opt_state = prog.fresh_state()
   del opt_state
   batch = first_batch(cfg)
 

@@ -2,7 +2,7 @@
 
   program = build(cfg, mesh)
   with program.rules():                          # the model's logical axes -> the mesh
-    params, rest, opt_state = program.init()     # every array created where it lives
+    params, rest, opt_state = program.fresh_state()   # every array created where it lives
     params, rest, opt_state, out = program.train_step(params, rest, opt_state, batch)"""
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ class Program:
     with (axes.use_rules(self.mesh, parallel.rules(self.cfg.mesh.expert_splits)),
           backends.deterministic(self.cfg.train.deterministic), threefry_as_one_kernel()):
       yield
+
+  def fresh_state(self) -> tuple:
+    """`init()` inside `rules()`: each array drawn where it lives, threefry one GPU kernel."""
+    with self.rules():
+      return self.init()
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     """The global batch's arrays, sharded as `batch_shardings` says."""

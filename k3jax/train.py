@@ -347,7 +347,7 @@ def start_state(cfg, prog, ckpt, data_iter, workdir: str, config_json: str):
     state = params, rest, opt_state
   else:
     say("init: fresh parameters")
-    state = prog.init()
+    state = prog.fresh_state()
   return 0, state, BadSteps(t.max_bad_steps, ckpt)
 
 

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import short_conv as conv_ops
+from pallas_kernels.kda.context import kda_context_sharded
 
 pytestmark = pytest.mark.xdist_group("test_context_parallel")
 
@@ -82,6 +83,45 @@ def test_kda_split_over_context_equals_one_device(context, backend, batch, heads
   assert _rel(o, o1) < 1e-5 and _rel(s, s1) < 1e-5
   for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), g, g1):
     assert _rel(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("context,spans", [(2, 2), (8, 1)])
+def test_kda_kernels_chain_their_spans_across_devices(context, spans):
+  """The kernels' own context path (`context_kernel.py`) with slices of two spans, and with
+  slices of 8 tokens padded to a chunk of 16 (the padding carries the state through):
+  output, final state and every gradient equal the naive recurrence."""
+  (o1, s1), g1 = _kda_run("naive")
+  local = functools.partial(kda_ops.kda_pallas_context, interpret=True, chunk_size=16,
+                            spans=spans)
+  args, seg, cot_o, cot_s = _kda_problem()
+
+  def f(*args):
+    o, s = kda_context_sharded(local, *args[:5], initial_state=args[5], segment_ids=seg,
+                               mesh=_mesh(context), seq_axis="context",
+                               output_final_state=True)
+    return jnp.sum(o * cot_o) + jnp.sum(s * cot_s), (o, s)
+
+  (_, (o, s)), g = jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))(*args)
+  assert _rel(o, o1) < 1e-5 and _rel(s, s1) < 1e-5
+  for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), g, g1):
+    assert _rel(a, b) < 1e-5, name
+
+
+def _pallas_calls(fn, *args):
+  return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+def test_kda_kernels_split_over_context_run_one_pass():
+  """Split over devices, the kernels launch what one device's forward launches plus the
+  spans' transitions (the backward: plus the own cotangents), not the forward twice."""
+  args, seg, cot_o, _ = _kda_problem()
+  kw = dict(segment_ids=seg, backend="interpret", chunk_size=16)
+  split = dict(kw, mesh=_mesh(2), seq_axis="context")
+  loss = lambda where: lambda *a: jnp.sum(kda_ops.kda(*a, **where) * cot_o)  # noqa: E731
+  assert (_pallas_calls(lambda *a: kda_ops.kda(*a, **split), *args[:5])
+          == _pallas_calls(lambda *a: kda_ops.kda(*a, **kw), *args[:5]) + 1)
+  assert (_pallas_calls(jax.grad(loss(split), argnums=(0, 1, 2, 3, 4)), *args[:5])
+          == _pallas_calls(jax.grad(loss(kw), argnums=(0, 1, 2, 3, 4)), *args[:5]) + 2)
 
 
 def test_kda_chunk_halves_to_fit_a_slice(monkeypatch):

@@ -111,7 +111,7 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
   # remat_scope "layer": each scanned layer its own remat region inside the cycle's.
   # (attn_res.scan_saves "partial" without remat runs the same custom VJP as with it)
   for changes, tol in (({"scan_layers": False}, 0.0), ({"remat": "full"}, 1e-4),
-                       ({"remat": "dots"}, 1e-4),
+                       ({"remat": "dots"}, 1e-4), ({"remat": "kernels"}, 1e-4),
                        ({"remat": "full", "remat_scope": "layer"}, 1e-4),
                        ({"attn_res.scan_saves": "partial", "remat": "full"}, 1e-4)):
     l, g = loss_for(**changes)
@@ -119,6 +119,26 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
     for (path, a), (_, b) in zip(nnx.to_flat_state(g), nnx.to_flat_state(base_grad)):
       err = np.linalg.norm(a[...] - b[...]) / max(np.linalg.norm(b[...]), 1e-12)
       assert err <= tol, (changes, path, err)
+
+
+def test_kernels_remat_saves_the_kernels_outputs():
+  """remat "kernels": the gradient of a rematerialized KDA (its Pallas kernels interpreted)
+  launches the kernels of no remat, not the forward's again as "full" does; same values."""
+  from k3jax.model.k3 import REMAT  # noqa: PLC0415
+  from pallas_kernels import kda as kda_ops  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(3))
+  g = -jnp.abs(jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32))
+  beta = jax.nn.sigmoid(jnp.asarray(rng.standard_normal((1, 32, 2)), jnp.float32))
+
+  def loss(q):
+    return jnp.sum(kda_ops.kda(2 * q, k, v, g, beta, backend="interpret", chunk_size=16) ** 2)
+
+  grads = {name: jax.grad(jax.checkpoint(loss, policy=REMAT[name]) if REMAT[name] else loss)
+           for name in ("none", "full", "kernels")}
+  kernels = {name: str(jax.make_jaxpr(f)(q)).count("pallas_call") for name, f in grads.items()}
+  assert kernels["kernels"] == kernels["none"] < kernels["full"], kernels
+  np.testing.assert_allclose(grads["kernels"](q), grads["none"](q), rtol=1e-6)
 
 
 def test_layer_remat_scope_puts_each_scanned_layer_in_its_own_region():

@@ -1,6 +1,8 @@
 """The train step: microbatched (gradient accumulation) vs the whole batch at once; the LM
 head and loss in sequence chunks vs the whole logits."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,6 +196,27 @@ def test_init_draws_with_one_threefry_kernel_on_gpus():
   outside = lower()
   assert inside.count("cu_threefry2x32") > 0 and "stablehlo.shift_left" not in inside
   assert "cu_threefry2x32" not in outside and "stablehlo.shift_left" in outside
+
+
+def test_train_draws_its_fresh_state_inside_the_rules():
+  """`k3jax.train` (no checkpoint, no init_from) calls the program's init inside
+  `Program.rules()`, so on GPUs the draw compiles as one threefry kernel per array."""
+  from k3jax import train  # noqa: PLC0415
+  cfg = k3config.validate(micro_config())
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
+  seen = []
+
+  def init():
+    seen.append(jax.config.jax_threefry_gpu_kernel_lowering)
+    return "state"
+
+  class NoCheckpoint:
+    def restore_latest(self, *args, **kwargs):
+      return None
+
+  step, state, _ = train.start_state(cfg, dataclasses.replace(prog, init=init), NoCheckpoint(),
+                                     None, "", "{}")
+  assert (step, state, seen) == (0, "state", [True])
 
 
 def test_chunks_must_split_the_sequence():

@@ -15,7 +15,7 @@ from pallas_kernels.kda import BACKENDS as KDA_BACKENDS
 from pallas_kernels.kda import RENAMED as KDA_RENAMED
 from pallas_kernels.short_conv import BACKENDS as CONV_BACKENDS
 
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "kernels")
 DTYPES = ("float32", "bfloat16")
 MLA_FORMS = ("expanded", "absorbed")  # model.mla.form
 EXPERT_QUANTS = ("none", "mxfp4")  # model.moe.expert_quant

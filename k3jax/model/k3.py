@@ -22,10 +22,17 @@ from k3jax.model.mla import MLA
 from k3jax.model.situ_glu import GLUMLP
 from k3jax.model.vision import VisionTower, insert_features
 
+def _kernel_outputs(prim, *_, **__):
+  """Saves what the Pallas kernels compute (KDA's chunk values, states and outputs, the
+  grouped expert matmuls); the rest (projections, norms, AttnRes) is recomputed."""
+  return prim.name == "pallas_call"
+
+
 REMAT = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
+    "kernels": _kernel_outputs,
 }
 
 

@@ -5,13 +5,14 @@ import functools
 from pallas_kernels.backends import check_backend
 from pallas_kernels.kda.chunk import LOWER_BOUND, kda_chunk
 from pallas_kernels.kda.context import kda_context, kda_context_sharded
+from pallas_kernels.kda.context_kernel import kda_pallas_context
 from pallas_kernels.kda.naive import kda_naive
 from pallas_kernels.kda.pallas import default_chunk, kda_pallas, kda_pallas_sharded
 from pallas_kernels.platform import target_platform
 from pallas_kernels.shard_types import axis_size
 
 __all__ = ["BACKENDS", "LOWER_BOUND", "RENAMED", "default_chunk_size", "kda", "kda_chunk",
-           "kda_context", "kda_naive", "kda_pallas", "resolve_backend"]
+           "kda_context", "kda_naive", "kda_pallas", "kda_pallas_context", "resolve_backend"]
 
 # "reference": `chunk.py`; "naive": the literal recurrence; "kernel": Triton on GPU, Mosaic
 # on TPU; "interpret": the kernels interpreted; "auto": "kernel" on TPU and GPU.
@@ -39,8 +40,9 @@ def kda(q, k, v, g, beta, *, backend="reference", scale=None, initial_state=None
   """KDA through `backend`. chunk_size None: `default_chunk_size`, halved under seq_axis
   until it divides each device's slice. mesh, batch_axis, head_axis: the kernels run per
   device under `shard_map` (XLA does not partition a Pallas call); seq_axis splits T for
-  every backend (`context.py`). platform: `target_platform`'s. bounded_gate: g >=
-  LOWER_BOUND (K3's gate); False: any g <= 0 (the softplus gate), on every backend.
+  every backend (`context.py`; the kernels off TPU: `context_kernel.py`). platform:
+  `target_platform`'s. bounded_gate: g >= LOWER_BOUND (K3's gate); False: any g <= 0 (the
+  softplus gate), on every backend.
   Returns o [B, T, H, V], and the final state [B, H, K, V] if output_final_state."""
   common = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids,
                 output_final_state=output_final_state)
@@ -60,7 +62,11 @@ def kda(q, k, v, g, beta, *, backend="reference", scale=None, initial_state=None
                                         bounded_gate=bounded_gate),
          "naive": kda_naive}.get(backend, functools.partial(kda_pallas, **kernel))
   if split:
-    return kda_context_sharded(functools.partial(run, scale=scale), q, k, v, g, beta,
+    # the kernels chain their own spans across devices; TPU's (no transitions) run twice
+    local = (functools.partial(kda_pallas_context, scale=scale, **kernel)
+             if backend in ("kernel", "interpret") and kernel["platform"] != "tpu"
+             else functools.partial(kda_context, functools.partial(run, scale=scale)))
+    return kda_context_sharded(local, q, k, v, g, beta,
                                mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis,
                                head_axis=head_axis, initial_state=initial_state,
                                segment_ids=segment_ids, output_final_state=output_final_state)

@@ -32,16 +32,25 @@ def forward(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
   return o, st, (states[0] if save_states else None), t
 
 
-def backward(cfg, w, a, qs, ks, dec, do, dst, t):
-  """(dv_new, chunk states' cotangents, dst0) from do, dst [B, H, V, K] and `forward`'s t."""
+def backward(cfg, w, a, qs, ks, dec, do, dst, t, own=None):
+  """(dv_new, chunk states' cotangents, dst0) from do, dst [B, H, V, K] and `forward`'s t;
+  own: `own_cotangents` if already taken."""
   if cfg.spans == 1:
     dvn, dstates, dst0 = recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do, dst[:, :, None])
     return dvn, dstates, dst0[:, :, 0]
-  own = recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do, jnp.zeros(
-      (*dst.shape[:2], cfg.spans, *dst.shape[2:]), F32), transition=True)
+  if own is None:
+    own = own_cotangents(cfg, w, a, qs, ks, dec, do)
   leaving, dst0 = chain(cfg, t, own, dst, reverse=True)
   dvn, dstates, _ = recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do, leaving)
   return dvn, dstates, dst0
+
+
+def own_cotangents(cfg, w, a, qs, ks, dec, do):
+  """[B, H, S, V, K]: each span's entering state's cotangent from its own outputs alone."""
+  B, H, _, K = blocks.dims(cfg, w)
+  V = do.shape[-1]
+  return recurrence.rec_bwd(cfg, w, a, qs, ks, dec, do,
+                            jnp.zeros((B, H, cfg.spans, V, K), F32), transition=True)
 
 
 def _transition_kernel(w_ref, u_ref, ks_ref, dec_ref, t_ref, *, cfg, n_chunks, p_blocks):
