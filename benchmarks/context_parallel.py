@@ -40,23 +40,24 @@ def inputs(B, T, H, D, seed=0):
               do=f(B, T, H, D), seg=seg)
 
 
-def fwd_bwd(**kw):
-  """jit of (inputs, do, segment ids) -> (o, dq, dk, dv, dg, dbeta); ids traced, not constants
-  (XLA would fold the document masks of a constant row for minutes at 128k)."""
+def fwd_bwd(op):
+  """jit of (inputs, do, segment ids) -> (o, dq, dk, dv, dg, dbeta) of op(q, k, v, g, beta,
+  segment_ids); ids traced, not constants (XLA would fold a constant row's document masks
+  for minutes at 128k)."""
   def run(q, k, v, g, beta, do, seg):
-    o, vjp = jax.vjp(lambda *a: kda_ops.kda(*a, segment_ids=seg, **kw), q, k, v, g, beta)
+    o, vjp = jax.vjp(lambda *a: op(*a, seg), q, k, v, g, beta)
     return (o,) + vjp(do)
   return jax.jit(run)
 
 
+def plain(**kw):
+  return fwd_bwd(lambda *a: kda_ops.kda(*a[:5], segment_ids=a[5], **kw))
+
+
 def split_over(local, mesh):
   """fwd_bwd of the split with `local` running each device's slice."""
-  def fn(q, k, v, g, beta, do, seg):
-    split = lambda *a: kda_context_sharded(local, *a, segment_ids=seg, mesh=mesh,  # noqa: E731
-                                           seq_axis="context")
-    o, vjp = jax.vjp(split, q, k, v, g, beta)
-    return (o,) + vjp(do)
-  return jax.jit(fn)
+  return fwd_bwd(lambda *a: kda_context_sharded(local, *a[:5], segment_ids=a[5], mesh=mesh,
+                                                seq_axis="context"))
 
 
 def main():
@@ -77,10 +78,10 @@ def main():
     bf = {k: jnp.asarray(x[k], jnp.bfloat16) for k in names}
     t = T // n
     local = [bf[k][:, :t] for k in names] + [jnp.asarray(x["seg"][:, :t])]
-    slice_ms = time_jax(fwd_bwd(backend=args.backend), local, args.reps)
+    slice_ms = time_jax(plain(backend=args.backend), local, args.reps)
     split = NamedSharding(mesh, P(None, "context"))
     placed = [jax.device_put(a, split) for a in [bf[k] for k in names] + [x["seg"]]]
-    run = fwd_bwd(backend=args.backend, mesh=mesh, seq_axis="context")
+    run = plain(backend=args.backend, mesh=mesh, seq_axis="context")
     context_ms = time_jax(run, placed, args.reps)
     interpret = args.backend == "interpret"
     two_pass = functools.partial(kda_ops.kda_context,
@@ -90,7 +91,7 @@ def main():
         kda_ops.kda_pallas_context, interpret=interpret, transition_block=b), mesh),
         placed, args.reps), 3) for b in args.transition_blocks}
     got = run(*placed)
-    want = fwd_bwd(backend="reference")(*[jnp.asarray(x[k]) for k in names + ("seg",)])
+    want = plain(backend="reference")(*[jnp.asarray(x[k]) for k in names + ("seg",)])
     print(json.dumps(dict(
         device=devices[0].device_kind, devices=n, jax=jax.__version__, shape=[B, T, H, D],
         backend=args.backend, slice_tokens=t, slice_fwd_bwd_ms=round(slice_ms, 3),

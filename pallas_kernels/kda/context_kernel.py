@@ -12,11 +12,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels.kda import blocks, chunk_kernels, recurrence, spans
+from pallas_kernels.kda import blocks, chunk_kernels, spans
 from pallas_kernels.kda.context import carries_over, entering_states, scan_maps, shifted
-from pallas_kernels.kda.pallas import kernel_inputs
+from pallas_kernels.kda.pallas import input_cotangents, kernel_inputs, mask_cotangents
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -29,14 +28,6 @@ def _slice_map(t, K):
     A_s = t[:, :, s, :K]
     A, b = jnp.matmul(A, A_s, precision=_HI), jnp.matmul(b, A_s, precision=_HI) + t[:, :, s, K:]
   return A, b
-
-
-def _slice_own(t, own, K):
-  """E [B, H, V, K]: the slice's entering cotangent from its own outputs, spans last first."""
-  e = own[:, :, -1]
-  for s in range(t.shape[2] - 2, -1, -1):
-    e = jnp.matmul(e, jnp.swapaxes(t[:, :, s, :K], -1, -2), precision=_HI) + own[:, :, s]
-  return e
 
 
 def _t(x):
@@ -60,12 +51,8 @@ def _forward(cfg, axis, q, k, v, g, beta, h0, masks, carries):
   A, b = _slice_map(t, K)
   A = A * carries
   entering = _t(entering_states(_t(A), _t(b), _t(h0), carries, axis)[0])
-  if cfg.spans == 1:
-    span_in = entering[:, :, None]
-  else:
-    span_in, _ = spans.chain(cfg, t, t, entering, reverse=False)
-  o, leaving, states = recurrence.rec_fwd(cfg, w, u, a, qs, ks, dec, span_in, q.dtype, True)
-  return (o, leaving[:, :, -1]), (prep, states, t, A)
+  o, leaving, states, _ = spans.forward(cfg, *prep, entering, q.dtype, True, t=t)
+  return (o, leaving), (prep, states, t, A)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -83,18 +70,15 @@ def _core_bwd(cfg, axis, res, cots):
   q, k, v, g, beta, masks, carries, (prep, states, t, A) = res
   do, d_exit = cots
   w, u, a, qs, ks, dec = prep
-  K = blocks.dims(cfg, w)[-1]
   own = spans.own_cotangents(cfg, w, a, qs, ks, dec, do)
-  d_leaving = _leaving_cotangents(A, _slice_own(t, own, K), d_exit, carries, axis)
+  # the slice's own cotangent: its spans' own, chained back from a zero one
+  E = (own[:, :, 0] if cfg.spans == 1 else
+       spans.chain(cfg, t, own, jnp.zeros_like(d_exit), reverse=True)[1])
+  d_leaving = _leaving_cotangents(A, E, d_exit, carries, axis)
   dvn, dstates, d_entering = spans.backward(cfg, w, a, qs, ks, dec, do, d_leaving, t, own)
-  dw, da, dqs, dks, ddec = chunk_kernels.chunk_cots(cfg, w, u, states, dstates, do, dvn)
-  dq, dk, dv, dg, dbeta = chunk_kernels.chunk_bwd(cfg, q, k, v, g, beta, *masks, dw, dvn, da,
-                                                  dqs, dks, ddec)
   first = jax.lax.axis_index(axis) == 0
-  zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  doc_c, doc_r, sees, last = masks
-  return (dq, dk, dv, dg, dbeta, jnp.where(first, d_entering, 0.0), zero_int(doc_c),
-          zero_int(doc_r), jnp.zeros_like(sees), jnp.zeros_like(last), jnp.zeros_like(carries))
+  return (*input_cotangents(cfg, (q, k, v, g, beta), masks, prep, states, dstates, do, dvn),
+          jnp.where(first, d_entering, 0.0), *mask_cotangents(masks), jnp.zeros_like(carries))
 
 
 _context_core.defvjp(_core_fwd, _core_bwd)

@@ -74,12 +74,22 @@ def _core_bwd(cfg, res, cots):
     saved = (*prep, *spans.forward(cfg, *prep, st0, q.dtype, True)[2:])
   w, u, a, qs, ks, dec, states, trans = saved
   dvn, dstates, dst0 = spans.backward(cfg, w, a, qs, ks, dec, do, dst, trans)
+  return (*input_cotangents(cfg, (q, k, v, g, beta), masks, saved[:6], states, dstates, do,
+                            dvn), dst0, *mask_cotangents(masks))
+
+
+def input_cotangents(cfg, inputs, masks, prep, states, dstates, do, dvn):
+  """(dq, dk, dv, dg, dbeta) from the recurrence's backward (dstates, dvn)."""
+  w, u, a, qs, ks, dec = prep
   dw, da, dqs, dks, ddec = chunk_kernels.chunk_cots(cfg, w, u, states, dstates, do, dvn)
-  dq, dk, dv, dg, dbeta = chunk_kernels.chunk_bwd(cfg, q, k, v, g, beta, *masks, dw, dvn, da,
-                                                  dqs, dks, ddec)
+  return chunk_kernels.chunk_bwd(cfg, *inputs, *masks, dw, dvn, da, dqs, dks, ddec)
+
+
+def mask_cotangents(masks):
+  """The (zero) cotangents of `kernel_inputs`' document masks (doc_c, doc_r, sees, last)."""
+  doc_c, doc_r, sees, last = masks
   zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-  return (dq, dk, dv, dg, dbeta, dst0,
-          zero_int(doc_c), zero_int(doc_r), jnp.zeros_like(sees), jnp.zeros_like(last))
+  return zero_int(doc_c), zero_int(doc_r), jnp.zeros_like(sees), jnp.zeros_like(last)
 
 
 _kda_core.defvjp(_core_fwd, _core_bwd)

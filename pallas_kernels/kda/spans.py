@@ -19,13 +19,15 @@ from pallas_kernels.kda.blocks import F32
 
 
 
-def forward(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states):
-  """(o, final state, chunk states or None, transitions or None) from st0 [B, H, V, K]."""
+def forward(cfg, w, u, a, qs, ks, dec, st0, out_dtype, save_states, t=None):
+  """(o, final state, chunk states or None, transitions or None) from st0 [B, H, V, K];
+  t: `transitions` if already taken."""
   if cfg.spans == 1:
     o, st, *states = recurrence.rec_fwd(cfg, w, u, a, qs, ks, dec, st0[:, :, None],
                                         out_dtype, save_states)
-    return o, st[:, :, 0], (states[0] if save_states else None), None
-  t = transitions(cfg, w, u, ks, dec)
+    return o, st[:, :, 0], (states[0] if save_states else None), t
+  if t is None:
+    t = transitions(cfg, w, u, ks, dec)
   entering, st = chain(cfg, t, t, st0, reverse=False)
   o, _, *states = recurrence.rec_fwd(cfg, w, u, a, qs, ks, dec, entering, out_dtype,
                                      save_states)
