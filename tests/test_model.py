@@ -289,5 +289,6 @@ def test_bf16_model_runs_fp32_matmuls_only_where_meant():
       frames = [f.file_name for f in e.source_info.traceback.frames
                 if ("k3jax/" in f.file_name or "pallas_kernels/" in f.file_name)
                 and not f.file_name.endswith("layers.py")]  # Dense: who called it
-      where.add(frames[0].rsplit("/", 1)[-1])
-  assert where and where <= {"chunk.py", "attn_res.py", "latent_moe.py", "moe_dispatch.py"}
+      where.add("/".join(frames[0].rsplit("/", 2)[-2:]))
+  assert where and where <= {"kda/chunk.py", "attn_res/reference.py", "model/latent_moe.py",
+                             "model/moe_dispatch.py"}

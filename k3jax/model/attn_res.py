@@ -13,51 +13,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax import axes
 from k3jax.axes import constrain
 from k3jax.model.layers import ones, param, zeros
+from pallas_kernels import attn_res as attn_res_ops
 
 SBTE = ("sources", "batch", "seq", "embed")
 BTE = ("batch", "seq", "embed")
 
 
 class AttnResQuery(nnx.Module):
-  """One sublayer's pseudo-query `query` [d] (init 0) and key gain `key_gain` [d] (init 1)."""
+  """One sublayer's pseudo-query `query` [d] (init 0) and key gain `key_gain` [d] (init 1);
+  `backend`: pallas_kernels.attn_res's."""
 
   def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32,
-               rngs: nnx.Rngs | None = None):
+               backend: str = "reference", rngs: nnx.Rngs | None = None):
     self.query = param(rngs, zeros, (dim,), ("embed",), param_dtype)
     self.key_gain = param(rngs, ones, (dim,), ("embed",), param_dtype)
-    self.eps = eps
+    self.eps, self.backend = eps, backend
 
   def __call__(self, sources: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-    return attend(sources, valid, self.query[...], self.key_gain[...], self.eps)
-
-
-def _logits(sources: jax.Array, queries: jax.Array, key_gains: jax.Array,
-            eps: float) -> jax.Array:
-  """w_q . (RMSNorm(v_i) * g_q) in fp32. sources [S, B, T, d], queries/gains [Q, d]
-  -> [Q, S, B, T]. The gain is folded into the query: the normalised keys are shared."""
-  v = sources.astype(jnp.float32)
-  keys = v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
-  wg = queries.astype(jnp.float32) * key_gains.astype(jnp.float32)
-  return jnp.einsum("sbtd,qd->qsbt", keys, wg, precision=jax.lax.Precision.HIGHEST)
-
-
-def _masked(logits: jax.Array, valid: jax.Array | None) -> jax.Array:
-  if valid is None:
-    return logits
-  return jnp.where(valid[:, None, None], logits, -jnp.inf)
+    return attend(sources, valid, self.query[...], self.key_gain[...], self.eps,
+                  backend=self.backend)
 
 
 def attend(sources: jax.Array, valid: jax.Array | None, query: jax.Array,
-           key_gain: jax.Array, eps: float) -> jax.Array:
+           key_gain: jax.Array, eps: float, backend: str = "reference") -> jax.Array:
   """Direct read: sources [S, B, T, d], valid [S], query, key_gain [d] -> h [B, T, d]."""
+  spec = axes.logical_to_spec(SBTE)
   sources = constrain(sources, SBTE)
-  logits = _masked(_logits(sources, query[None], key_gain[None], eps)[0], valid)  # [S, B, T]
-  alpha = jax.nn.softmax(logits, axis=0)
-  h = jnp.einsum("sbt,sbtd->btd", alpha, sources.astype(jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
-  return constrain(h.astype(sources.dtype), BTE)
+  h = attn_res_ops.attend(sources, valid, query, key_gain, eps, backend=backend,
+                          mesh=axes.current_mesh(), batch_axis=spec[1], seq_axis=spec[2])
+  return constrain(h, BTE)
 
 
 # Block bookkeeping for a (possibly scanned) stack.

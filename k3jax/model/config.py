@@ -10,6 +10,7 @@ from k3jax.model.balancing import BALANCINGS
 from k3jax.model.moe_dispatch import DISPATCHES
 from pallas_kernels.attention import BACKENDS as ATTENTION_BACKENDS
 from pallas_kernels.attention import RENAMED as ATTENTION_RENAMED
+from pallas_kernels.attn_res import BACKENDS as ATTN_RES_BACKENDS
 from pallas_kernels.grouped_matmul import BACKENDS as GMM_BACKENDS
 from pallas_kernels.kda import BACKENDS as KDA_BACKENDS
 from pallas_kernels.kda import RENAMED as KDA_RENAMED
@@ -50,6 +51,8 @@ def model_config() -> ml_collections.ConfigDict:
   # Saved per cycle for the backward: "buffer" (sources [slots, B, T, d]) or "partial"
   # (the partial slot [B, T, d]; `attn_res.scan` rebuilds the rest)
   r.scan_saves = "buffer"
+  # pallas_kernels.attn_res backend: reference, kernel (GPU), interpret, auto (kernel on GPU)
+  r.backend = "auto"
   m.vision = _vision()
   return m
 
@@ -170,6 +173,7 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
   check(r.block_layers >= 1, "model.attn_res.block_layers", "must be >= 1")
   check(r.scan_saves in ("buffer", "partial"), "model.attn_res.scan_saves",
         f"must be 'buffer' or 'partial', got {r.scan_saves!r}")
+  check_backend("model.attn_res.backend", r.backend, ATTN_RES_BACKENDS)
   _check_vision(m)
 
 

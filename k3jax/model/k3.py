@@ -71,7 +71,8 @@ class Layer(nnx.Module):
     self.block_sublayers = 2 * cfg_model.attn_res.block_layers
     if self.attn_res:
       query = functools.partial(attn_res.AttnResQuery, d, eps=cfg_model.norm_eps,
-                                param_dtype=pdt, rngs=rngs)
+                                param_dtype=pdt, backend=cfg_model.attn_res.backend,
+                                rngs=rngs)
       self.mixer_query, self.ffn_query = query(), query()
     self.mixer_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
     self.mixer = KDA(cfg_model, rngs=rngs) if mixer == "kda" else MLA(cfg_model, rngs=rngs)
@@ -189,7 +190,8 @@ class K3Model(nnx.Module):
     self.suffix = nnx.List([Layer(cfg_model, plan.mixers[i], plan.ffns[i], rngs=rngs)
                             for i in range(start, cfg_model.num_layers)])
     if cfg_model.attn_res.enabled:
-      self.out_query = attn_res.AttnResQuery(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
+      self.out_query = attn_res.AttnResQuery(d, eps=cfg_model.norm_eps, param_dtype=pdt,
+                                             backend=cfg_model.attn_res.backend, rngs=rngs)
     self.final_norm = layers.RMSNorm(d, eps=cfg_model.norm_eps, param_dtype=pdt, rngs=rngs)
     self.lm_head = layers.Dense(d, v, ("embed", "vocab"), rngs=rngs, dtype=self.dtype,
                                 param_dtype=pdt, muon=None)

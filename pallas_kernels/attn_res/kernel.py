@@ -1,0 +1,191 @@
+"""The Block AttnRes read as Pallas Triton kernels, fp32 inside. A program takes a block of
+tokens and all S sources: a first pass over d-tiles sums each source's squares and its dot
+with w g (and, backward, with dh), then the softmax over sources, then a second pass mixes
+the sources (forward) or writes their cotangents (backward). Each source is read twice
+from a block that stays in cache, once from memory; the XLA form reads and writes the
+[S, B, T, d] buffer in several fusions, and its fp32 copy in the backward.
+
+With r_s = rsqrt(mean(v_s^2) + eps), dot_s = v_s . wg, logit_s = r_s dot_s:
+  dv_s = alpha_s dh + dlogit_s (r_s wg - r_s^3 dot_s v_s / d),
+  dlogit_s = alpha_s (dh . v_s - dh . h),   dwg = sum_tokens,s dlogit_s r_s v_s."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.attn_res.reference import F32, check_shapes
+
+BLOCK_N = 16    # tokens a program
+BLOCK_D = 256   # widest d-tile
+NUM_WARPS = 4
+
+
+def _tiles(d_ref, block_d):
+  n = d_ref.shape[-1] // block_d
+  return n, lambda j: pl.ds(pl.multiple_of(j * block_d, block_d), block_d)
+
+
+def _stats(src_ref, wg_ref, dh_ref, block_d):
+  """Per source s: (sum v_s^2, v_s . wg, v_s . dh or None), each [BN] fp32."""
+  S, BN = src_ref.shape[0], src_ref.shape[1]
+  n, tile = _tiles(src_ref, block_d)
+  zero = jnp.zeros((BN,), F32)
+  width = 3 if dh_ref is not None else 2
+
+  def body(j, acc):
+    cols = tile(j)
+    wg = wg_ref[cols][None, :]
+    dh = dh_ref[:, cols].astype(F32) if dh_ref is not None else None
+    acc = list(acc)
+    for s in range(S):
+      v = src_ref[s, :, cols].astype(F32)
+      acc[width * s] += jnp.sum(v * v, axis=1)
+      acc[width * s + 1] += jnp.sum(v * wg, axis=1)
+      if dh is not None:
+        acc[width * s + 2] += jnp.sum(v * dh, axis=1)
+    return tuple(acc)
+
+  acc = jax.lax.fori_loop(0, n, body, (zero,) * (width * S))
+  return [tuple(acc[width * s:width * s + width]) + (None,) * (3 - width) for s in range(S)]
+
+
+def _softmax(valid_ref, stats, d, eps):
+  """(alpha_s, r_s) per source, [BN] each; invalid sources weigh exactly 0."""
+  rs = [jax.lax.rsqrt(sq / d + eps) for sq, _, _ in stats]
+  ok = [valid_ref[s] != 0 for s in range(len(stats))]
+  logits = [jnp.where(ok[s], rs[s] * stats[s][1], -jnp.inf) for s in range(len(stats))]
+  top = logits[0]
+  for lg in logits[1:]:
+    top = jnp.maximum(top, lg)
+  ex = [jnp.where(ok[s], jnp.exp(logits[s] - top), 0.0) for s in range(len(stats))]
+  total = ex[0]
+  for e in ex[1:]:
+    total += e
+  return [e / total for e in ex], rs
+
+
+def _fwd_kernel(src_ref, valid_ref, wg_ref, h_ref, *, eps, block_d):
+  d = src_ref.shape[-1]
+  alpha, _ = _softmax(valid_ref, _stats(src_ref, wg_ref, None, block_d), d, eps)
+  n, tile = _tiles(src_ref, block_d)
+
+  def body(j, carry):
+    cols = tile(j)
+    h = alpha[0][:, None] * src_ref[0, :, cols].astype(F32)
+    for s in range(1, src_ref.shape[0]):
+      h += alpha[s][:, None] * src_ref[s, :, cols].astype(F32)
+    h_ref[:, cols] = h.astype(h_ref.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, n, body, 0)
+
+
+def _bwd_kernel(src_ref, valid_ref, wg_ref, dh_ref, dsrc_ref, dwg_ref, *, eps, block_d):
+  S, d = src_ref.shape[0], src_ref.shape[-1]
+  stats = _stats(src_ref, wg_ref, dh_ref, block_d)
+  alpha, rs = _softmax(valid_ref, stats, d, eps)
+  dh_h = alpha[0] * stats[0][2]                 # dh . h = sum_s alpha_s (dh . v_s)
+  for s in range(1, S):
+    dh_h += alpha[s] * stats[s][2]
+  dlogit = [alpha[s] * (stats[s][2] - dh_h) for s in range(S)]
+  c_wg = [dlogit[s] * rs[s] for s in range(S)]                   # of wg in dv_s
+  c_v = [c_wg[s] * rs[s] * rs[s] * stats[s][1] / d for s in range(S)]  # of v_s in dv_s
+  n, tile = _tiles(src_ref, block_d)
+
+  def body(j, carry):
+    cols = tile(j)
+    wg = wg_ref[cols][None, :]
+    dh = dh_ref[:, cols].astype(F32)
+    dwg = jnp.zeros((cols.size,), F32)
+    for s in range(S):
+      v = src_ref[s, :, cols].astype(F32)
+      dv = alpha[s][:, None] * dh + c_wg[s][:, None] * wg - c_v[s][:, None] * v
+      dsrc_ref[s, :, cols] = dv.astype(dsrc_ref.dtype)
+      dwg += jnp.sum(c_wg[s][:, None] * v, axis=0)
+    dwg_ref[cols] = dwg
+    return carry
+
+  jax.lax.fori_loop(0, n, body, 0)
+
+
+def _call(kernel, *args, grid, in_specs, out_specs, out_shape, interpret, num_warps):
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+    params = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2))
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, interpret=interpret, **params)(*args)
+
+
+def _specs(S, d, block_n):
+  """Grid (N / BN,): (all sources of the block, valid, wg, a [BN, d] block, a [d] row)."""
+  sources = pl.BlockSpec((S, block_n, d), lambda i: (0, i, 0))
+  valid = pl.BlockSpec((S,), lambda i: (0,))
+  row = pl.BlockSpec((d,), lambda i: (0,))
+  block = pl.BlockSpec((block_n, d), lambda i: (i, 0))
+  per_block = pl.BlockSpec((None, d), lambda i: (i, 0))
+  return sources, valid, row, block, per_block
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(eps, blocks, interpret, src, valid, wg):
+  """blocks: (tokens a program, d-tile, warps)."""
+  block_n, block_d, num_warps = blocks
+  S, N, d = src.shape
+  sources, valid_spec, row, block, _ = _specs(S, d, block_n)
+  kernel = functools.partial(_fwd_kernel, eps=eps, block_d=block_d)
+  return _call(kernel, src, valid, wg, grid=(N // block_n,),
+               in_specs=[sources, valid_spec, row], out_specs=block,
+               out_shape=jax.ShapeDtypeStruct((N, d), src.dtype), interpret=interpret,
+               num_warps=num_warps)
+
+
+def _attend_fwd(eps, blocks, interpret, src, valid, wg):
+  return _attend(eps, blocks, interpret, src, valid, wg), (src, valid, wg)
+
+
+def _attend_bwd(eps, blocks, interpret, res, dh):
+  src, valid, wg = res
+  block_n, block_d, num_warps = blocks
+  S, N, d = src.shape
+  sources, valid_spec, row, block, per_block = _specs(S, d, block_n)
+  kernel = functools.partial(_bwd_kernel, eps=eps, block_d=block_d)
+  dsrc, dwg = _call(
+      kernel, src, valid, wg, dh, grid=(N // block_n,),
+      in_specs=[sources, valid_spec, row, block], out_specs=[sources, per_block],
+      out_shape=[jax.ShapeDtypeStruct(src.shape, src.dtype),
+                 jax.ShapeDtypeStruct((N // block_n, d), F32)], interpret=interpret,
+      num_warps=num_warps)
+  return dsrc, None, jnp.sum(dwg, axis=0)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def supports(sources_shape, block_n: int = BLOCK_N) -> bool:
+  """Whether the kernels take sources of this shape: d a multiple of 16, B T of block_n."""
+  _, B, T, d = sources_shape
+  return d % 16 == 0 and (B * T) % block_n == 0
+
+
+def attend_pallas(sources: jax.Array, valid: jax.Array | None, query: jax.Array,
+                  key_gain: jax.Array, eps: float, *, interpret: bool = False,
+                  block_n: int = BLOCK_N, block_d: int = BLOCK_D,
+                  num_warps: int = NUM_WARPS) -> jax.Array:
+  """`attend_reference` through the kernels: sources [S, B, T, d] -> h [B, T, d]; a
+  program takes block_n tokens, d in tiles of up to block_d."""
+  check_shapes(sources, valid, query, key_gain)
+  if not supports(sources.shape, block_n):
+    raise ValueError(f"attn_res kernels: need d % 16 == 0 and B * T % {block_n} == 0, "
+                     f"got sources {sources.shape}")
+  S, B, T, d = sources.shape
+  block_d = next(b for b in (block_d, 128, 64, 32, 16) if d % b == 0 and b <= block_d)
+  valid = (jnp.ones((S,), jnp.int32) if valid is None else valid.astype(jnp.int32))
+  wg = query.astype(F32) * key_gain.astype(F32)
+  h = _attend(float(eps), (block_n, block_d, num_warps), interpret,
+              sources.reshape(S, B * T, d), valid, wg)
+  return h.reshape(B, T, d)
