@@ -176,6 +176,27 @@ SPECS = (jax.ShapeDtypeStruct((2, 256, 4, 192), jnp.bfloat16),
          jax.ShapeDtypeStruct((2, 256), jnp.int32))
 
 
+def test_a_named_platform_traces_its_kernels_only():
+  """With the platform known (`platform=`, or the mesh's devices) only its kernels are
+  traced: no choice left to lowering, no splash (its mask tables take minutes to build at
+  1M tokens) in a GPU program, no Triton in a TPU one. With none named on a CPU host, each
+  platform's kernels are traced and lowering picks."""
+  from conftest import jaxpr_eqns  # noqa: PLC0415
+
+  def traced(platform):
+    jaxpr = jax.make_jaxpr(lambda q, k, v, ids: attention(
+        q, k, v, ids, scale=0.1, causal=True, backend="auto", platform=platform))(*SPECS).jaxpr
+    kinds = {"platform_index"}.intersection(e.primitive.name for e in jaxpr_eqns(jaxpr))
+    for e in jaxpr_eqns(jaxpr):
+      if e.primitive.name == "pallas_call":
+        module = type(e.params["compiler_params"]).__module__
+        kinds |= {k for k in ("mosaic.", "triton.") if f"pallas.{k}" in module}
+    return kinds
+  assert traced(None) == {"platform_index", "mosaic.", "triton."}
+  assert traced("gpu") == {"triton."}
+  assert traced("tpu") == {"mosaic."}
+
+
 @pytest.mark.parametrize("backend", ["auto", "kernel", "reference"])
 def test_auto_lowering_per_platform(backend):
   """"auto" is decided when lowering: splash's Mosaic call for TPU, the GPU kernels for

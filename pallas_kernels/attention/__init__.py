@@ -16,6 +16,7 @@ from pallas_kernels.attention.flash import flash_gpu, flash_tpu, unique_padding_
 from pallas_kernels.attention.max_logit import max_logit, max_logit_block, max_logit_gpu
 from pallas_kernels.attention.reference import attention_mask, attention_reference
 from pallas_kernels.backends import check_backend, deterministic_only
+from pallas_kernels.platform import target_platform
 from pallas_kernels.shard_types import axis_names
 
 __all__ = ["BACKENDS", "RENAMED", "attention", "attention_mask", "attention_reference",
@@ -65,13 +66,15 @@ def flash_cuda(q, k, v, ids, *, scale, causal):
 
 
 def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max_logit=False,
-              mesh=None, batch_axis=None, head_axis=None, seq_axis=None):
+              mesh=None, batch_axis=None, head_axis=None, seq_axis=None, platform=None):
   """softmax(scale q k^T, `attention_mask`) v: q [B, T, H, Dqk], k [B, T, H or 1, Dqk],
   v [B, T, H or 1, Dv], segment_ids [B, T] (0 = padding) -> [B, T, H, Dv] in v's dtype, and
   with return_max_logit each head's max logit [H] fp32. backend "kernel": splash on TPU,
   cuDNN or Triton on GPU, splash interpreted elsewhere; "auto": the kernel on TPU and GPU.
   seq_axis splits T (`context.py`): the kernels take all T of a c-th of each device's heads
-  where they divide; else splash its query rows, the GPU kernels all T of all its heads."""
+  where they divide; else splash its query rows, the GPU kernels all T of all its heads.
+  The platform (`platform`, else the mesh's devices', else the default backend's) picks the
+  kernels when tracing; on a CPU each platform's are traced and chosen when lowering."""
   check_backend("attention", backend, BACKENDS, RENAMED)
   where = dict(return_max_logit=return_max_logit, mesh=mesh, batch_axis=batch_axis,
                head_axis=head_axis, seq_axis=seq_axis)
@@ -91,6 +94,13 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
   if v.shape[2] > 1:   # splash's multi-query form needs k and v shared; else one per head
     k = _per_head(k, q.shape[2])
   kernels = _Kernels(segment_ids, scale=scale, causal=causal, **where)
+  # Only the target's kernels: splash builds its mask tables while tracing, in time that grows
+  # with (T / block)^2 (minutes at 1M tokens), which a GPU program would pay for nothing.
+  target = target_platform(mesh, platform)
+  if target == "gpu":
+    return kernels.cuda(q, k, v)
+  if target == "tpu":
+    return kernels.tpu(interpret=False)(q, k, v)
   forced = backend == "kernel"
   return jax.lax.platform_dependent(
       q, k, v, tpu=kernels.tpu(interpret=False), cuda=kernels.cuda,
