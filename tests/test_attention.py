@@ -178,8 +178,8 @@ SPECS = (jax.ShapeDtypeStruct((2, 256, 4, 192), jnp.bfloat16),
 
 def test_a_named_platform_traces_its_kernels_only():
   """With the platform known (`platform=`, or the mesh's devices) only its kernels are
-  traced: no choice left to lowering, no splash (its mask tables take minutes to build at
-  1M tokens) in a GPU program, no Triton in a TPU one. With none named on a CPU host, each
+  traced: no choice left to lowering, no splash (its mask tables cost (T / block)^2 to
+  build while tracing) in a GPU program, no Triton in a TPU one. With none named on a CPU host, each
   platform's kernels are traced and lowering picks."""
   from conftest import jaxpr_eqns  # noqa: PLC0415
 

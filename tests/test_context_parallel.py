@@ -357,8 +357,8 @@ def test_k3_tiny_trains_the_same_with_context_4(tmp_path):
 
   Five steps: the two runs round differently at 1e-7, and a longer run meets a discrete
   choice that the rounding decides (k3_tiny at step 6: equal losses, then a jump, as a
-  flipped router top-k pick gives). The split itself is exact: at norm_eps 1e-6 the same runs agree
-  to 3e-7 over 8 steps (benchmarks/results/context_parallel.md); the ops' and the whole
+  flipped router top-k pick gives). The split itself is exact: at norm_eps 1e-6 the same
+  runs agree over 8 steps (benchmarks/results/context_parallel.md); the ops' and the whole
   model's gradients are held to 1e-5 above."""
   import json  # noqa: PLC0415
   import os  # noqa: PLC0415

@@ -326,19 +326,23 @@ def test_lowers_for_cuda():
   args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H),
           sd(B, H, D, D, dt=jnp.float32), sd(B, T, dt=jnp.int32))
 
-  def lowered(save_states, n_spans=1, bounded_gate=True):
+  def lowered(save_states, n_spans=1, bounded_gate=True, layers=1):
     def loss(q, k, v, g, beta, h0, seg):
-      o, s = kda_pallas(q, k, v, g, beta, initial_state=h0, segment_ids=seg,
-                        output_final_state=True, platform="gpu", save_states=save_states,
-                        spans=n_spans, bounded_gate=bounded_gate)
-      return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+      total = 0.0
+      for i in range(layers):   # each distinct call's kernels are lowered once
+        o, s = kda_pallas(q * (i + 1), k, v, g, beta, initial_state=h0, segment_ids=seg,
+                          output_final_state=True, platform="gpu", save_states=save_states,
+                          spans=n_spans, bounded_gate=bounded_gate)
+        total += jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+      return total
 
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))
     return jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
   # prep, rec_fwd (states saved), rec_bwd, chunk_cots, chunk_bwd; recomputing adds prep and
-  # rec_fwd
+  # rec_fwd (the value keeps the forward's own: a gradient alone drops them)
   assert lowered(True).count("__gpu$xla.gpu.triton") == 5
+  assert lowered(True, layers=3).count("__gpu$xla.gpu.triton") == 5
   assert lowered(True, bounded_gate=False).count("__gpu$xla.gpu.triton") == 5
   assert lowered(False).count("__gpu$xla.gpu.triton") == 7
   # in spans the forward adds the transitions and the chain, the backward the spans' own

@@ -128,13 +128,16 @@ def test_dispatcher():
       short_conv(x, w, seg[:, :8], backend=backend)
 
 
-def test_lowers_for_cuda():
+@pytest.mark.parametrize("convs", [1, 3])
+def test_lowers_for_cuda(convs):
   """Forward and backward lower to Triton for CUDA (no GPU needed): the forward kernel,
-  then dp with the taps' block sums, then dx."""
+  then dp with the taps' block sums, then dx; once however many convs of the same shapes a
+  program makes (each distinct call is lowered once)."""
   sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
 
   def loss(x, w, seg):
-    return jnp.sum(short_conv_pallas(x, w, seg, normalize=True).astype(jnp.float32))
+    return sum(jnp.sum(short_conv_pallas(x, w * (i + 1), seg, normalize=True).astype(
+        jnp.float32)) for i in range(convs))
 
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(
       sd(2, 300, 4, 128), sd(4, 4, 128, dt=jnp.float32), sd(2, 300, dt=jnp.int32)).lower(

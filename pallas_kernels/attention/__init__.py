@@ -95,7 +95,7 @@ def attention(q, k, v, segment_ids, *, scale, causal, backend="auto", return_max
     k = _per_head(k, q.shape[2])
   kernels = _Kernels(segment_ids, scale=scale, causal=causal, **where)
   # Only the target's kernels: splash builds its mask tables while tracing, in time that grows
-  # with (T / block)^2 (minutes at 1M tokens), which a GPU program would pay for nothing.
+  # with (T / block)^2, which a GPU program would pay for nothing.
   target = target_platform(mesh, platform)
   if target == "gpu":
     return kernels.cuda(q, k, v)

@@ -1,9 +1,8 @@
 """The Block AttnRes read as Pallas Triton kernels, fp32 inside. A program takes a block of
 tokens and all S sources: a first pass over d-tiles sums each source's squares and its dot
 with w g (and, backward, with dh), then the softmax over sources, then a second pass mixes
-the sources (forward) or writes their cotangents (backward). Each source is read twice
-from a block that stays in cache, once from memory; the XLA form reads and writes the
-[S, B, T, d] buffer in several fusions, and its fp32 copy in the backward.
+the sources (forward) or writes their cotangents (backward): the [S, B, T, d] buffer is
+read twice a call and nothing of its size is written but the cotangent.
 
 With r_s = rsqrt(mean(v_s^2) + eps), dot_s = v_s . wg, logit_s = r_s dot_s:
   dv_s = alpha_s dh + dlogit_s (r_s wg - r_s^3 dot_s v_s / d),
@@ -134,6 +133,13 @@ def _specs(S, d, block_n):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _attend(eps, blocks, interpret, src, valid, wg):
   """blocks: (tokens a program, d-tile, warps)."""
+  return _forward(eps, blocks, interpret, src, valid, wg)
+
+
+# Jitted (settings static): a program lowers each distinct call's kernel once, not at every
+# layer, microbatch and remat copy that makes it.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _forward(eps, blocks, interpret, src, valid, wg):
   block_n, block_d, num_warps = blocks
   S, N, d = src.shape
   sources, valid_spec, row, block, _ = _specs(S, d, block_n)
@@ -145,11 +151,16 @@ def _attend(eps, blocks, interpret, src, valid, wg):
 
 
 def _attend_fwd(eps, blocks, interpret, src, valid, wg):
-  return _attend(eps, blocks, interpret, src, valid, wg), (src, valid, wg)
+  return _forward(eps, blocks, interpret, src, valid, wg), (src, valid, wg)
 
 
 def _attend_bwd(eps, blocks, interpret, res, dh):
-  src, valid, wg = res
+  return _backward(eps, blocks, interpret, *res, dh)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _backward(eps, blocks, interpret, src, valid, wg, dh):
+  """(d_sources, None for valid, d_wg)."""
   block_n, block_d, num_warps = blocks
   S, N, d = src.shape
   sources, valid_spec, row, block, per_block = _specs(S, d, block_n)

@@ -45,6 +45,9 @@ def default_spans(platform, interpret, B, H, V, n_chunks):
   return n
 
 
+# The passes are jitted (cfg static): a program lowers each distinct call's kernels once, not
+# at every layer, microbatch and remat copy that makes it.
+@functools.partial(jax.jit, static_argnums=(0, 8))
 def _forward(cfg, q, k, v, g, beta, st0, masks, save_states):
   """(o, final state, prep's outputs, chunk states or None, spans' transitions or None)."""
   prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
@@ -66,16 +69,23 @@ def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
 
 
 def _core_bwd(cfg, res, cots):
-  q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved = res
-  do, dst = cots
+  *inputs, doc_c, doc_r, sees, last, saved = res
   masks = (doc_c, doc_r, sees, last)
+  return (*_backward(cfg, inputs, masks, saved, cots), *mask_cotangents(masks))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _backward(cfg, inputs, masks, saved, cots):
+  """(dq, dk, dv, dg, dbeta, dst0) from the saved passes (or None: run them again)."""
+  q, k, v, g, beta, st0 = inputs
+  do, dst = cots
   if saved is None:
     prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
     saved = (*prep, *spans.forward(cfg, *prep, st0, q.dtype, True)[2:])
   w, u, a, qs, ks, dec, states, trans = saved
   dvn, dstates, dst0 = spans.backward(cfg, w, a, qs, ks, dec, do, dst, trans)
   return (*input_cotangents(cfg, (q, k, v, g, beta), masks, saved[:6], states, dstates, do,
-                            dvn), dst0, *mask_cotangents(masks))
+                            dvn), dst0)
 
 
 def input_cotangents(cfg, inputs, masks, prep, states, dstates, do, dvn):

@@ -97,6 +97,13 @@ def _specs(Tp, D, Wp, block_t):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _conv(taps, normalize, block_t, interpret, x, w, seg):
+  return _conv_forward(taps, normalize, block_t, interpret, x, w, seg)
+
+
+# Jitted (settings static): a program lowers each distinct call's kernels once, not at every
+# layer, microbatch and remat copy that makes it.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _conv_forward(taps, normalize, block_t, interpret, x, w, seg):
   B, Tp, H, D = x.shape
   whole, block, taps_spec, seg_spec = _specs(Tp, D, w.shape[0], block_t)
   kernel = functools.partial(_fwd_kernel, taps=taps, normalize=normalize, block_t=block_t)
@@ -106,11 +113,16 @@ def _conv(taps, normalize, block_t, interpret, x, w, seg):
 
 
 def _conv_fwd(taps, normalize, block_t, interpret, x, w, seg):
-  return _conv(taps, normalize, block_t, interpret, x, w, seg), (x, w, seg)
+  return _conv_forward(taps, normalize, block_t, interpret, x, w, seg), (x, w, seg)
 
 
 def _conv_bwd(taps, normalize, block_t, interpret, res, dy):
-  x, w, seg = res
+  return _conv_backward(taps, normalize, block_t, interpret, *res, dy) + (None,)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
+  """(dx, dw)."""
   B, Tp, H, D = x.shape
   Wp, n = w.shape[0], Tp // block_t
   whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, block_t)
@@ -127,7 +139,7 @@ def _conv_bwd(taps, normalize, block_t, interpret, res, dy):
              out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
              interpret=interpret)
   dw = jnp.sum(dw_blocks, axis=(0, 1)).astype(w.dtype)
-  return dx, dw, None
+  return dx, dw
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
