@@ -1,4 +1,5 @@
-"""Which platform a kernel is compiled for, shared by the ops' dispatchers."""
+"""Which platform a kernel is compiled for, shared by the ops' dispatchers, and the call of a
+Triton-only kernel."""
 
 import jax
 
@@ -20,3 +21,16 @@ def load_runtimes(platform: str) -> None:
       import jax.experimental.mosaic.gpu  # noqa: F401, PLC0415
     except ImportError:   # a jaxlib without Mosaic GPU runs no such kernel
       pass
+
+
+def triton_call(kernel, *args, interpret: bool, num_warps: int = 4, num_stages: int = 1,
+                **specs):
+  """`pl.pallas_call(kernel, **specs)(*args)` with Triton's compiler settings, none when
+  interpreted; specs: grid, in_specs, out_specs, out_shape."""
+  from jax.experimental import pallas as pl  # noqa: PLC0415
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+    params = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                                       num_stages=num_stages))
+  return pl.pallas_call(kernel, interpret=interpret, **params, **specs)(*args)

@@ -355,7 +355,7 @@ def test_k3_tiny_trains_the_same_with_context_4(tmp_path):
   per device (data 8). Capacity factor 4 = experts / top-k: no pair is dropped in either
   run (a capacity buffer per slice of a row would otherwise drop other pairs).
 
-  Five steps: the two runs round differently at 1e-7, and a longer run meets a discrete
+  Five steps: the two runs round differently, and a longer run meets a discrete
   choice that the rounding decides (k3_tiny at step 6: equal losses, then a jump, as a
   flipped router top-k pick gives). The split itself is exact: at norm_eps 1e-6 the same
   runs agree over 8 steps (benchmarks/results/context_parallel.md); the ops' and the whole

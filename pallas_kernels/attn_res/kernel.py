@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.attn_res.reference import F32, check_shapes
+from pallas_kernels.platform import triton_call
 
 BLOCK_N = 16    # tokens a program
 BLOCK_D = 256   # widest d-tile
@@ -49,7 +50,8 @@ def _stats(src_ref, wg_ref, dh_ref, block_d):
     return tuple(acc)
 
   acc = jax.lax.fori_loop(0, n, body, (zero,) * (width * S))
-  return [tuple(acc[width * s:width * s + width]) + (None,) * (3 - width) for s in range(S)]
+  return [(acc[width * s], acc[width * s + 1], acc[width * s + 2] if width == 3 else None)
+          for s in range(S)]
 
 
 def _softmax(valid_ref, stats, d, eps):
@@ -111,15 +113,6 @@ def _bwd_kernel(src_ref, valid_ref, wg_ref, dh_ref, dsrc_ref, dwg_ref, *, eps, b
   jax.lax.fori_loop(0, n, body, 0)
 
 
-def _call(kernel, *args, grid, in_specs, out_specs, out_shape, interpret, num_warps):
-  params = {}
-  if not interpret:
-    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
-    params = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2))
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=out_shape, interpret=interpret, **params)(*args)
-
-
 def _specs(S, d, block_n):
   """Grid (N / BN,): (all sources of the block, valid, wg, a [BN, d] block, a [d] row)."""
   sources = pl.BlockSpec((S, block_n, d), lambda i: (0, i, 0))
@@ -144,10 +137,10 @@ def _forward(eps, blocks, interpret, src, valid, wg):
   S, N, d = src.shape
   sources, valid_spec, row, block, _ = _specs(S, d, block_n)
   kernel = functools.partial(_fwd_kernel, eps=eps, block_d=block_d)
-  return _call(kernel, src, valid, wg, grid=(N // block_n,),
-               in_specs=[sources, valid_spec, row], out_specs=block,
-               out_shape=jax.ShapeDtypeStruct((N, d), src.dtype), interpret=interpret,
-               num_warps=num_warps)
+  return triton_call(kernel, src, valid, wg, grid=(N // block_n,),
+                     in_specs=[sources, valid_spec, row], out_specs=block,
+                     out_shape=jax.ShapeDtypeStruct((N, d), src.dtype), interpret=interpret,
+                     num_warps=num_warps, num_stages=2)
 
 
 def _attend_fwd(eps, blocks, interpret, src, valid, wg):
@@ -165,12 +158,12 @@ def _backward(eps, blocks, interpret, src, valid, wg, dh):
   S, N, d = src.shape
   sources, valid_spec, row, block, per_block = _specs(S, d, block_n)
   kernel = functools.partial(_bwd_kernel, eps=eps, block_d=block_d)
-  dsrc, dwg = _call(
+  dsrc, dwg = triton_call(
       kernel, src, valid, wg, dh, grid=(N // block_n,),
       in_specs=[sources, valid_spec, row, block], out_specs=[sources, per_block],
       out_shape=[jax.ShapeDtypeStruct(src.shape, src.dtype),
                  jax.ShapeDtypeStruct((N // block_n, d), F32)], interpret=interpret,
-      num_warps=num_warps)
+      num_warps=num_warps, num_stages=2)
   return dsrc, None, jnp.sum(dwg, axis=0)
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.platform import triton_call
 from pallas_kernels.short_conv.reference import EPS, F32, check_shapes
 
 BLOCK_T = 16
@@ -77,15 +78,6 @@ def _grad_x_kernel(dp_ref, w_ref, seg_ref, dx_ref, *, taps, block_t):
   dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
-def _call(kernel, *args, grid, in_specs, out_specs, out_shape, interpret):
-  params = {}
-  if not interpret:
-    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
-    params = dict(compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
-  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=out_shape, interpret=interpret, **params)(*args)
-
-
 def _specs(Tp, D, Wp, block_t):
   """Grid (B, Tp / BT, H): (a head's rows, its row block, its taps, the row's ids)."""
   whole = pl.BlockSpec((None, Tp, None, D), lambda b, i, h: (b, 0, h, 0))
@@ -107,9 +99,9 @@ def _conv_forward(taps, normalize, block_t, interpret, x, w, seg):
   B, Tp, H, D = x.shape
   whole, block, taps_spec, seg_spec = _specs(Tp, D, w.shape[0], block_t)
   kernel = functools.partial(_fwd_kernel, taps=taps, normalize=normalize, block_t=block_t)
-  return _call(kernel, x, w, seg, grid=(B, Tp // block_t, H),
-               in_specs=[whole, taps_spec, seg_spec], out_specs=block,
-               out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
+  return triton_call(kernel, x, w, seg, grid=(B, Tp // block_t, H),
+                     in_specs=[whole, taps_spec, seg_spec], out_specs=block,
+                     out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
 
 
 def _conv_fwd(taps, normalize, block_t, interpret, x, w, seg):
@@ -129,15 +121,15 @@ def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
   grid = (B, n, H)
   dw_spec = pl.BlockSpec((None, None, Wp, None, D), lambda b, i, h: (b, i, 0, h, 0))
   kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize, block_t=block_t)
-  dp, dw_blocks = _call(
+  dp, dw_blocks = triton_call(
       kernel, x, w, seg, dy, grid=grid, in_specs=[whole, taps_spec, seg_spec, block],
       out_specs=[block, dw_spec],
       out_shape=[jax.ShapeDtypeStruct(x.shape, F32),
                  jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)], interpret=interpret)
   kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t)
-  dx = _call(kernel, dp, w, seg, grid=grid, in_specs=[whole, taps_spec, seg_spec],
-             out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-             interpret=interpret)
+  dx = triton_call(kernel, dp, w, seg, grid=grid, in_specs=[whole, taps_spec, seg_spec],
+                   out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   interpret=interpret)
   dw = jnp.sum(dw_blocks, axis=(0, 1)).astype(w.dtype)
   return dx, dw
 
