@@ -107,6 +107,31 @@ def test_kda_kernels_chain_their_spans_across_devices(context, spans):
     assert _rel(a, b) < 1e-5, name
 
 
+def test_kda_kernels_split_over_context_lower_each_call_once():
+  """Lowered for CUDA, three layers' split KDA (forward and backward) hold the Triton
+  kernels of one: each distinct call's passes are lowered once."""
+  B, T, H, D = 1, 256, 2, 64
+  sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+  args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H))
+  seg = jnp.ones((B, T), jnp.int32)
+  local = functools.partial(kda_ops.kda_pallas_context, platform="gpu")
+
+  def triton_calls(layers):
+    def loss(q, k, v, g, beta):
+      total = 0.0
+      for i in range(layers):
+        o = kda_context_sharded(local, q * (i + 1), k, v, g, beta, segment_ids=seg,
+                                mesh=_mesh(2), seq_axis="context")
+        total += jnp.sum(o.astype(jnp.float32))
+      return total
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("__gpu$xla.gpu.triton")
+
+  assert triton_calls(3) == triton_calls(1) > 0
+
+
 def _pallas_calls(fn, *args):
   return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
 

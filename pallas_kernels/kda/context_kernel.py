@@ -43,6 +43,9 @@ def _leaving_cotangents(A, E, d_exit, carries, axis):
   return d_exit + _t(shifted(later, axis, -1))
 
 
+# The passes are jitted (cfg and axis static), as `pallas.py`'s are: a program lowers each
+# distinct call's kernels once, not at every layer, microbatch and remat copy.
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def _forward(cfg, axis, q, k, v, g, beta, h0, masks, carries):
   prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
   w, u, a, qs, ks, dec = prep
@@ -67,7 +70,15 @@ def _core_fwd(cfg, axis, q, k, v, g, beta, h0, doc_c, doc_r, sees, last, carries
 
 
 def _core_bwd(cfg, axis, res, cots):
-  q, k, v, g, beta, masks, carries, (prep, states, t, A) = res
+  q, k, v, g, beta, masks, carries, saved = res
+  return (*_backward(cfg, axis, (q, k, v, g, beta), masks, carries, saved, cots),
+          *mask_cotangents(masks), jnp.zeros_like(carries))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _backward(cfg, axis, inputs, masks, carries, saved, cots):
+  """(dq, dk, dv, dg, dbeta, dh0)."""
+  prep, states, t, A = saved
   do, d_exit = cots
   w, u, a, qs, ks, dec = prep
   own = spans.own_cotangents(cfg, w, a, qs, ks, dec, do)
@@ -77,8 +88,8 @@ def _core_bwd(cfg, axis, res, cots):
   d_leaving = _leaving_cotangents(A, E, d_exit, carries, axis)
   dvn, dstates, d_entering = spans.backward(cfg, w, a, qs, ks, dec, do, d_leaving, t, own)
   first = jax.lax.axis_index(axis) == 0
-  return (*input_cotangents(cfg, (q, k, v, g, beta), masks, prep, states, dstates, do, dvn),
-          jnp.where(first, d_entering, 0.0), *mask_cotangents(masks), jnp.zeros_like(carries))
+  return (*input_cotangents(cfg, inputs, masks, prep, states, dstates, do, dvn),
+          jnp.where(first, d_entering, 0.0))
 
 
 _context_core.defvjp(_core_fwd, _core_bwd)
