@@ -36,6 +36,9 @@ def optimizer_config() -> ml_collections.ConfigDict:
   u.ns_backend = "auto"  # pallas_kernels.newton_schulz BACKENDS
   # GPU bf16 iteration: "fp16" (faster) or "bf16x3" (closer to fp32; newton_schulz.md)
   u.ns_gpu_iterate = "fp16"
+  # Same-shaped blocks of several parameters orthogonalized in one Newton-Schulz, up to this
+  # many bytes a device a call: fewer, larger launches and a smaller program; 0: one a parameter
+  u.group_bytes = 256 * 2**20
   u.rms_scale = 0.2      # update = rms_scale * sqrt(max(fan_in, fan_out)) * NS(momentum)
   u.per_head = True      # per-head blocks for KDA q/k/v and MLA W_qb/W_kvb; False: whole matrix
   u.router = "adamw"     # the MoE router's optimizer: "adamw" or "muon"
@@ -54,6 +57,7 @@ def validate_optimizer(o: ml_collections.ConfigDict) -> None:
   check(u.ns_steps >= 1, "optimizer.muon.ns_steps", f"must be >= 1, got {u.ns_steps}")
   check(len(u.ns_coeffs) == 3, "optimizer.muon.ns_coeffs", "must be 3 numbers (a, b, c)")
   check(u.ns_dtype in NS_DTYPES, "optimizer.muon.ns_dtype", f"must be one of {NS_DTYPES}")
+  check(u.group_bytes >= 0, "optimizer.muon.group_bytes", f"must be >= 0, got {u.group_bytes}")
   check(0 <= u.momentum < 1, "optimizer.muon.momentum", "must be in [0, 1)")
   check_backend("optimizer.muon.ns_backend", u.ns_backend, NS_BACKENDS, NS_RENAMED)
   check(u.ns_gpu_iterate in GPU_ITERATE, "optimizer.muon.ns_gpu_iterate",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -115,67 +116,112 @@ def scale_by_muon(layouts: Any, *, beta: float = 0.95, nesterov: bool = True,
                   ns_steps: int = 5, ns_coeffs: tuple[float, float, float] =
                   (3.4445, -4.7750, 2.0315), rms_scale: float = 0.2, eps: float = 1e-7,
                   ns_dtype: Any = jnp.bfloat16, ns_backend: str = "auto",
-                  ns_gpu_iterate: str = "fp16",
+                  ns_gpu_iterate: str = "fp16", group_bytes: int = 0,
                   mesh: Mesh | None = None, specs: Any = None
                   ) -> optax.GradientTransformation:
   """Muon's direction: momentum, per-block Newton-Schulz, 0.2 sqrt(max fan) per block.
-  layouts: a BlockLayout per leaf. mesh, specs: Newton-Schulz then runs under `shard_map`,
-  blocks split inside regrouped by an all-to-all. Returns the update before lr and wd."""
+  layouts: a BlockLayout per leaf. group_bytes: `orthogonalize_all`'s. mesh, specs:
+  Newton-Schulz then runs under `shard_map`, blocks split inside regrouped by an all-to-all.
+  Returns the update before lr and wd."""
   def init(params):
     return MuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
   ns = functools.partial(newton_schulz, steps=ns_steps, coeffs=ns_coeffs, eps=eps,
                          backend=ns_backend, gpu_iterate=ns_gpu_iterate)
 
-  def orthogonalize(blocks, spec):
-    """blocks [*batch, fan_in, fan_out] sharded as spec (`BlockLayout.block_spec`)."""
-    if mesh is None or spec is None:
-      return ns(blocks)
-    fan_axes = [spec_axes(e) for e in spec[-2:]]
-    ways = [math.prod(mesh.shape[a] for a in axes) for axes in fan_axes]
-
-    def local(x):  # this device's blocks, each a [fan_in / ways_in, fan_out / ways_out] piece
-      # All-to-all so each device orthogonalizes 1/G of the blocks whole, not all of them.
-      lead = x.shape[:-2]
-      n = math.prod(lead)
-      x = x.reshape(n, *x.shape[-2:])
-      x = jnp.pad(x, ((0, -n % (ways[0] * ways[1])), (0, 0), (0, 0)))
-      for dim, axes in ((1, fan_axes[0]), (2, fan_axes[1])):
-        if axes:
-          x = jax.lax.all_to_all(x, axes, 0, dim, tiled=True)
-      y = ns(x)
-      for dim, axes in ((2, fan_axes[1]), (1, fan_axes[0])):
-        if axes:
-          y = jax.lax.all_to_all(y, axes, dim, 0, tiled=True)
-      return y[:n].reshape(*lead, *y.shape[-2:])
-
-    # A Pallas kernel in a partitioned program must sit in a shard_map.
-    return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec,
-                         check_vma=False)(blocks)
-
-  def leaf(g, m, layout, spec):
-    """One parameter: (update, new momentum). g may be an nnx.Variable (split states)."""
+  def prepare(g, m, layout):
+    """One parameter: (its blocks [*batch, fan_in, fan_out] in ns_dtype, new momentum)."""
     if layout is None or not isinstance(layout, BlockLayout):
       raise ValueError(f"a parameter of shape {g.shape} reached Muon without a block layout")
     gv, mv = _unwrap(g).astype(jnp.float32), _unwrap(m)
     mv = beta * mv + gv
     u = gv + beta * mv if nesterov else mv
-    blocks = layout.to_blocks(u).astype(ns_dtype)                # [*batch, fan_in, fan_out]
-    o = orthogonalize(blocks, None if spec is None else layout.block_spec(spec))
-    o = layout.from_blocks(o.astype(jnp.float32)) * (rms_scale * layout.scale)
-    return _rewrap(g, o.astype(_unwrap(g).dtype)), _rewrap(m, mv)
+    return layout.to_blocks(u).astype(ns_dtype), mv
 
   def update(grads, state, params=None):
     del params
     flat, treedef = jax.tree.flatten(grads, is_leaf=is_variable)
-    leaf_specs = [None] * len(flat) if specs is None else treedef.flatten_up_to(specs)
-    done = [leaf(g, m, lay, spec) for g, m, lay, spec in
-            zip(flat, treedef.flatten_up_to(state.momentum), treedef.flatten_up_to(layouts),
-                leaf_specs)]
-    return (jax.tree.unflatten(treedef, [u for u, _ in done]),
-            MuonState(jax.tree.unflatten(treedef, [m for _, m in done])))
+    if not flat:
+      return grads, state
+    lays, moms = treedef.flatten_up_to(layouts), treedef.flatten_up_to(state.momentum)
+    blocks, new_moms = zip(*(prepare(g, m, lay) for g, m, lay in zip(flat, moms, lays)))
+    block_specs = (None if specs is None else
+                   [lay.block_spec(s) for lay, s in zip(lays, treedef.flatten_up_to(specs))])
+    orthogonal = orthogonalize_all(list(blocks), ns, mesh=mesh, specs=block_specs,
+                                   group_bytes=group_bytes)
+    updates = [(lay.from_blocks(o.astype(jnp.float32)) * (rms_scale * lay.scale)
+                ).astype(_unwrap(g).dtype) for g, lay, o in zip(flat, lays, orthogonal)]
+    return (jax.tree.unflatten(treedef, [_rewrap(g, u) for g, u in zip(flat, updates)]),
+            MuonState(jax.tree.unflatten(treedef, [_rewrap(m, mv)
+                                                   for m, mv in zip(moms, new_moms)])))
 
   return optax.GradientTransformation(init, update)
+
+
+def orthogonalize_all(blocks: list[jax.Array], ns, *, mesh: Mesh | None = None,
+                      specs: list[PartitionSpec] | None = None,
+                      group_bytes: int = 0) -> list[jax.Array]:
+  """`ns` of every block of every array in `blocks` ([*batch, fan_in, fan_out] each), same-shaped
+  blocks batched together in groups of at most group_bytes a device (0: an array a call), so
+  a step launches one Newton-Schulz per group, not one per parameter. mesh, specs: the arrays'
+  shardings (`BlockLayout.block_spec`); then it runs under `shard_map`, each device's blocks
+  regrouped by an all-to-all so it orthogonalizes 1/G of them whole."""
+  if mesh is None or specs is None:
+    return _orthogonalize_local(blocks, [((), ())] * len(blocks), ns, None, group_bytes)
+  fan_axes = [tuple(tuple(spec_axes(e)) for e in tuple(spec)[-2:]) for spec in specs]
+
+  def local(*xs):
+    return tuple(_orthogonalize_local(list(xs), fan_axes, ns, mesh, group_bytes))
+
+  # A Pallas kernel in a partitioned program must sit in a shard_map.
+  return list(jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=tuple(specs),
+                            check_vma=False)(*blocks))
+
+
+def _orthogonalize_local(xs, fan_axes, ns, mesh, group_bytes):
+  """`orthogonalize_all` of this device's pieces: xs[i]'s fan dims split over fan_axes[i]."""
+  keys = [(x.shape[-2:], x.dtype, axes) for x, axes in zip(xs, fan_axes)]
+  out = [None] * len(xs)
+  for group in _groups(keys, [x.size * x.dtype.itemsize for x in xs], group_bytes):
+    ys = _orthogonalize_group([xs[i] for i in group], fan_axes[group[0]], ns, mesh)
+    for i, y in zip(group, ys):
+      out[i] = y
+  return out
+
+
+def _groups(keys: list, sizes: list[int], cap: int) -> list[list[int]]:
+  """Indices of equal keys grouped in order, each group's sizes summing to at most cap (an
+  item larger than cap alone); cap 0: an item a group."""
+  groups, open_ = [], {}
+  for i, (key, size) in enumerate(zip(keys, sizes)):
+    g = open_.get(key)
+    if g is None or g[1] + size > cap:
+      g = open_[key] = [[], 0]
+      groups.append(g[0])
+    g[0].append(i)
+    g[1] += size
+  return groups
+
+
+def _orthogonalize_group(xs, fan_axes, ns, mesh):
+  """One `ns` over the pieces xs (equal [fan_in, fan_out] pieces, split over fan_axes)."""
+  leads = [x.shape[:-2] for x in xs]
+  counts = [math.prod(lead) for lead in leads]
+  x = jnp.concatenate([x.reshape(n, *x.shape[-2:]) for x, n in zip(xs, counts)])
+  n = x.shape[0]
+  if any(fan_axes):  # all-to-all: each device takes 1/G of the blocks whole
+    ways = [math.prod(mesh.shape[a] for a in axes) for axes in fan_axes]
+    x = jnp.pad(x, ((0, -n % (ways[0] * ways[1])), (0, 0), (0, 0)))
+    for dim, axes in ((1, fan_axes[0]), (2, fan_axes[1])):
+      if axes:
+        x = jax.lax.all_to_all(x, axes, 0, dim, tiled=True)
+  y = ns(x)
+  if any(fan_axes):
+    for dim, axes in ((2, fan_axes[1]), (1, fan_axes[0])):
+      if axes:
+        y = jax.lax.all_to_all(y, axes, dim, 0, tiled=True)
+  starts = itertools.accumulate(counts, initial=0)
+  return [y[s:s + c].reshape(*lead, *y.shape[-2:]) for s, c, lead in zip(starts, counts, leads)]
 
 
 def _unwrap(x):
@@ -198,7 +244,7 @@ def muon(cfg: ml_collections.ConfigDict, schedule: optax.Schedule, params: Any,
       _only(layouts, is_muon), beta=mu.momentum, nesterov=mu.nesterov,
       ns_steps=mu.ns_steps, ns_coeffs=tuple(mu.ns_coeffs), rms_scale=mu.rms_scale,
       eps=mu.ns_eps, ns_dtype=jnp.dtype(mu.ns_dtype), ns_backend=mu.ns_backend,
-      ns_gpu_iterate=mu.ns_gpu_iterate, mesh=mesh,
+      ns_gpu_iterate=mu.ns_gpu_iterate, group_bytes=mu.group_bytes, mesh=mesh,
       specs=None if param_specs is None else _only(param_specs, is_muon))
   muon_tx = optax.chain(rule, optax.add_decayed_weights(o.weight_decay, _only(decay_mask, is_muon)),
                         optax.scale_by_learning_rate(schedule))
