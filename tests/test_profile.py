@@ -1,6 +1,8 @@
 """A traced step's kernels land in the model component and phase that ran them: named scopes
 through the compiled HLO's op names, and library kernels inside a CUDA graph by the
-schedule of the program (benchmarks/gpu_trace.py); `--profile_steps` is parsed strictly."""
+schedule of the program (benchmarks/gpu_trace.py); a compiled program's launches counted
+with the loops around them (benchmarks/hlo_launches.py); `--profile_steps` is parsed
+strictly."""
 
 import pathlib
 import sys
@@ -14,6 +16,7 @@ from k3jax import profile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_trace  # noqa: E402  (benchmarks/ is not a package)
+import hlo_launches  # noqa: E402
 
 
 def test_op_names_give_component_and_phase():
@@ -142,3 +145,20 @@ def test_a_profiled_run_compiles_under_its_own_op_names():
     assert not jax.config.jax_compilation_cache_include_metadata_in_key
   finally:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def test_launches_run_as_often_as_the_loops_around_them():
+  """A scoped elementwise op inside 5 iterations inside 3: 15 runs a step, each reading and
+  writing its [64, 256] fp32 array at least; the table sums the bytes of all runs."""
+  def f(x):
+    def inner(_, x):
+      with jax.named_scope("kda"):
+        return jnp.tanh(x) * 2 + 1
+    return jax.lax.fori_loop(0, 3, lambda _, x: jax.lax.fori_loop(0, 5, inner, x), x)
+
+  text = jax.jit(f).lower(jnp.ones((64, 256))).compile().as_text()
+  kda = [x for x in hlo_launches.launches(text) if x.component == "kda"]
+  assert kda and all(x.runs == 15 for x in kda)
+  assert sum(x.bytes for x in kda) >= 2 * 64 * 256 * 4
+  row = next(r for r in hlo_launches.tables(kda, 1e6) if r.startswith("| kda |"))
+  assert row.endswith(f"| {sum(x.bytes * x.runs for x in kda) / 1e6 * 1e3:.1f} |")  # ms
