@@ -117,7 +117,9 @@ class Hlo(NamedTuple):
   order: dict[str, list[tuple[str, str]]]      # computation -> [(instruction, class)]
 
 
-def _custom_class(line: str) -> str:
+def custom_class(line: str) -> str:
+  """A custom call's class from its HLO line: "triton:<kernel>", "cublas", "mosaic_gpu",
+  "cudnn", "sort", "custom"; "" for an instruction that is not one."""
   target = re.search(r'custom_call_target="([^"]*)"', line)
   if not target:
     return ""
@@ -162,7 +164,7 @@ def parse_hlo(hlo_text: str) -> Hlo:
       operands[name] = first.group(1)
     if computation:
       where[name] = (computation, len(order[computation]))
-      order[computation].append((name, _custom_class(line)))
+      order[computation].append((name, custom_class(line)))
   for inst, comp in calls.items():
     if inst not in names and inside[comp]:
       names[inst] = inside[comp].most_common(1)[0][0]
@@ -177,7 +179,7 @@ def parse_hlo(hlo_text: str) -> Hlo:
 
 
 def kernel_class(name: str) -> str:
-  """The custom-call class (`_custom_class`) of a kernel that no instruction is named
+  """The custom-call class (`custom_class`) of a kernel that no instruction is named
   after: a library kernel by its name, a Triton kernel by its name without the suffix."""
   low = name.lower()
   for pattern, cls in LIBRARY_KERNELS:

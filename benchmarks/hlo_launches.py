@@ -90,7 +90,7 @@ def launches(hlo_text: str) -> list[Launch]:
     for name, shape, op, operands, line in comps.get(comp, []):
       if op not in _LAUNCHES:
         continue
-      custom = gpu_trace._custom_class(line).split(":")[0]
+      custom = gpu_trace.custom_class(line).split(":")[0]
       if op == "custom-call" or "gemm" in name or "__cublas" in line:
         kind, size = custom or "matmul", 0
       else:

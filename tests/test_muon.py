@@ -19,7 +19,7 @@ from k3jax.model import K3Model
 from k3jax.model.layers import Dense, RMSNorm, param
 from k3jax import parallel
 from k3jax.optim import block_layouts, make_optimizer, muon_labels
-from k3jax.optim import muon as muon_lib
+from k3jax.optim.orthogonalize import block_groups
 from pallas_kernels.newton_schulz import newton_schulz_reference
 
 LR, WD, BETA, EPS = 0.02, 0.1, 0.95, 1e-7
@@ -213,10 +213,10 @@ def test_grouped_blocks_sharded_equal_unsharded():
 
 
 def test_groups_keep_order_and_their_byte_cap():
-  assert muon_lib._groups(["a", "b", "a", "a", "b"], [1, 1, 1, 1, 1], 2) == [
+  assert block_groups(["a", "b", "a", "a", "b"], [1, 1, 1, 1, 1], 2) == [
       [0, 2], [1, 4], [3]]
-  assert muon_lib._groups(["a", "a", "a"], [3, 1, 1], 2) == [[0], [1, 2]]   # too big: alone
-  assert muon_lib._groups(["a", "a"], [1, 1], 0) == [[0], [1]]
+  assert block_groups(["a", "a", "a"], [3, 1, 1], 2) == [[0], [1, 2]]   # too big: alone
+  assert block_groups(["a", "a"], [1, 1], 0) == [[0], [1]]
 
 
 def _sharded_update(var, sharding, backend):
