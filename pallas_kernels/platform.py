@@ -1,5 +1,7 @@
-"""Which platform a kernel is compiled for, shared by the ops' dispatchers, and the call of a
-Triton-only kernel."""
+"""Which platform a kernel is compiled for, shared by the ops' dispatchers; how a kernel pass is
+jitted, and the call of a Triton-only kernel."""
+
+import functools
 
 import jax
 
@@ -34,3 +36,10 @@ def triton_call(kernel, *args, interpret: bool, num_warps: int = 4, num_stages: 
     params = dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                                        num_stages=num_stages))
   return pl.pallas_call(kernel, interpret=interpret, **params, **specs)(*args)
+
+
+def lowered_once(*static_argnums: int, static_argnames=()):
+  """Decorator: a kernel pass jitted with its settings static, so a program lowers each
+  distinct call's kernels once, not at every layer, microbatch and remat copy that makes it."""
+  return functools.partial(jax.jit, static_argnums=static_argnums,
+                           static_argnames=static_argnames)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.attn_res.kernel import attend_pallas, supports
 from pallas_kernels.attn_res.reference import attend_reference
@@ -43,7 +44,6 @@ def attend(sources: jax.Array, valid: jax.Array | None, query: jax.Array,
     valid = jnp.ones((sources.shape[0],), bool)
   if not split:
     return local(sources, valid, query, key_gain)
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
   # check_vma=False: pallas_call's outputs carry no varying-axes annotation.
   return jax.shard_map(local, mesh=mesh,
                        in_specs=(P(None, batch_axis, seq_axis), P(), P(), P()),

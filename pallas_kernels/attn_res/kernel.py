@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.attn_res.reference import F32, check_shapes
-from pallas_kernels.platform import triton_call
+from pallas_kernels.platform import lowered_once, triton_call
 
 BLOCK_N = 16    # tokens a program
 BLOCK_D = 256   # widest d-tile
@@ -129,9 +129,7 @@ def _attend(eps, blocks, interpret, src, valid, wg):
   return _forward(eps, blocks, interpret, src, valid, wg)
 
 
-# Jitted (settings static): a program lowers each distinct call's kernel once, not at every
-# layer, microbatch and remat copy that makes it.
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@lowered_once(0, 1, 2)
 def _forward(eps, blocks, interpret, src, valid, wg):
   block_n, block_d, num_warps = blocks
   S, N, d = src.shape
@@ -151,7 +149,7 @@ def _attend_bwd(eps, blocks, interpret, res, dh):
   return _backward(eps, blocks, interpret, *res, dh)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@lowered_once(0, 1, 2)
 def _backward(eps, blocks, interpret, src, valid, wg, dh):
   """(d_sources, None for valid, d_wg)."""
   block_n, block_d, num_warps = blocks

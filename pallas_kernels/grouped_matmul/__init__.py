@@ -13,7 +13,7 @@ import numpy as np
 
 from pallas_kernels.backends import check_backend
 from pallas_kernels.grouped_matmul import kernel, kernel_ws, reference
-from pallas_kernels.platform import target_platform
+from pallas_kernels.platform import lowered_once, target_platform
 from pallas_kernels.shard_types import cotangent_like
 
 __all__ = ["BACKENDS", "grouped_matmul", "resolve_backend"]
@@ -22,10 +22,9 @@ BACKENDS = ("reference", "kernel", "kernel_ws", "auto")
 
 
 def _lowered_once(gmm, tgmm) -> types.SimpleNamespace:
-  """The kernels as jitted functions: a program lowers each distinct call once (a shared
-  function), not at every layer, microbatch and remat copy that calls it."""
-  return types.SimpleNamespace(gmm=jax.jit(gmm, static_argnames="transpose_rhs"),
-                               tgmm=jax.jit(tgmm))
+  """The kernels as `lowered_once` functions."""
+  return types.SimpleNamespace(gmm=lowered_once(static_argnames="transpose_rhs")(gmm),
+                               tgmm=lowered_once()(tgmm))
 
 
 _PRODUCTS = {"reference": reference, "kernel": _lowered_once(kernel.gmm, kernel.tgmm),

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda import blocks, chunk_kernels, spans
 from pallas_kernels.kda.context import carries_over, entering_states, scan_maps, shifted
 from pallas_kernels.kda.pallas import input_cotangents, kernel_inputs, mask_cotangents
+from pallas_kernels.platform import lowered_once
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -43,9 +44,7 @@ def _leaving_cotangents(A, E, d_exit, carries, axis):
   return d_exit + _t(shifted(later, axis, -1))
 
 
-# The passes are jitted (cfg and axis static), as `pallas.py`'s are: a program lowers each
-# distinct call's kernels once, not at every layer, microbatch and remat copy.
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@lowered_once(0, 1)
 def _forward(cfg, axis, q, k, v, g, beta, h0, masks, carries):
   prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
   w, u, a, qs, ks, dec = prep
@@ -75,7 +74,7 @@ def _core_bwd(cfg, axis, res, cots):
           *mask_cotangents(masks), jnp.zeros_like(carries))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@lowered_once(0, 1)
 def _backward(cfg, axis, inputs, masks, carries, saved, cots):
   """(dq, dk, dv, dg, dbeta, dh0)."""
   prep, states, t, A = saved

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import blocks, chunk_kernels, spans
 from pallas_kernels.kda.blocks import F32
 from pallas_kernels.kda.chunk import check_sub_chunk, document_index
-from pallas_kernels.platform import target_platform
+from pallas_kernels.platform import lowered_once, target_platform
 
 # Tuned on the H200 (benchmarks/results/kda.md). block_v=None: the widest of BLOCKS_V
 # giving MIN_PROGRAMS programs (wide blocks only pay while the GPU is full).
@@ -45,9 +45,7 @@ def default_spans(platform, interpret, B, H, V, n_chunks):
   return n
 
 
-# The passes are jitted (cfg static): a program lowers each distinct call's kernels once, not
-# at every layer, microbatch and remat copy that makes it.
-@functools.partial(jax.jit, static_argnums=(0, 8))
+@lowered_once(0, 8)
 def _forward(cfg, q, k, v, g, beta, st0, masks, save_states):
   """(o, final state, prep's outputs, chunk states or None, spans' transitions or None)."""
   prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
@@ -74,7 +72,7 @@ def _core_bwd(cfg, res, cots):
   return (*_backward(cfg, inputs, masks, saved, cots), *mask_cotangents(masks))
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@lowered_once(0)
 def _backward(cfg, inputs, masks, saved, cots):
   """(dq, dk, dv, dg, dbeta, dst0) from the saved passes (or None: run them again)."""
   q, k, v, g, beta, st0 = inputs

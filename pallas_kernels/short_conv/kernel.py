@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.platform import triton_call
+from pallas_kernels.platform import lowered_once, triton_call
 from pallas_kernels.short_conv.reference import EPS, F32, check_shapes
 
 BLOCK_T = 16
@@ -92,9 +92,7 @@ def _conv(taps, normalize, block_t, interpret, x, w, seg):
   return _conv_forward(taps, normalize, block_t, interpret, x, w, seg)
 
 
-# Jitted (settings static): a program lowers each distinct call's kernels once, not at every
-# layer, microbatch and remat copy that makes it.
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+@lowered_once(0, 1, 2, 3)
 def _conv_forward(taps, normalize, block_t, interpret, x, w, seg):
   B, Tp, H, D = x.shape
   whole, block, taps_spec, seg_spec = _specs(Tp, D, w.shape[0], block_t)
@@ -112,7 +110,7 @@ def _conv_bwd(taps, normalize, block_t, interpret, res, dy):
   return _conv_backward(taps, normalize, block_t, interpret, *res, dy) + (None,)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+@lowered_once(0, 1, 2, 3)
 def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
   """(dx, dw)."""
   B, Tp, H, D = x.shape
