@@ -42,8 +42,9 @@ def train_config() -> ml_collections.ConfigDict:
   t.microbatches = 1     # gradient accumulation: sequential slices of the global batch
   t.cast_params_once = False  # True: cast (and MXFP4-quantize) routed experts once per
                               # step, not per microbatch; same gradients
-  t.loss_chunk = 0       # > 0: LM head + loss over this many positions at a time (divides
-                         # seq_len); 0: all at once
+  t.loss_chunk = 0       # > 0: LM head + loss over this many positions at a time, each
+                         # chunk's gradients taken with its logits (divides seq_len); 0: all
+                         # at once
   # XLA options "name=value", comma/space separated; xla_tpu_*/xla_gpu_*/xla_cpu_* apply
   # on that platform only
   t.xla_options = ""

@@ -13,56 +13,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from k3jax import axes
+from k3jax.lm_loss import chunked_cross_entropy, token_count
 from k3jax.media import PackedMedia
 from k3jax.model import K3Model
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-                  denominator: jax.Array | None = None) -> jax.Array:
-  """sum(nll * weights) / denominator in nats; logits [B, T, V], targets/weights [B, T].
-  Default denominator: max(sum(weights), 1); microbatches pass the whole batch's."""
-  logits = logits.astype(jnp.float32)
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  # The target's logit by a select, not a gather: its gradient is a select too, where a
-  # gather's is a scatter-add that deterministic XLA rewrites element by element over [B, T, V]
-  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
-  picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-  if denominator is None:
-    denominator = _token_count(weights)
-  return jnp.sum((logz - picked) * weights) / denominator
-
-
-def chunked_cross_entropy(logits_fn, h: jax.Array, targets: jax.Array, weights: jax.Array,
-                          denominator: jax.Array | None = None, chunk: int = 0) -> jax.Array:
-  """`cross_entropy(logits_fn(h), ...)` `chunk` positions at a time under remat, so only
-  [B, chunk, V] logits exist. h [B, T, d]; with `seq` split over s devices each step takes
-  a chunk of every slice, so T must split into s x chunk."""
-  b, t, _ = h.shape
-  if denominator is None:
-    denominator = _token_count(weights)
-  if not chunk or chunk >= t:
-    return cross_entropy(logits_fn(h), targets, weights, denominator)
-  s = axes.split_ways("seq")
-  if t % (s * chunk):
-    slices = f"{s} context slices of " if s > 1 else ""
-    raise ValueError(f"chunked_cross_entropy: {t} positions do not split into {slices}"
-                     f"chunks of {chunk}")
-
-  def pieces(x):  # [B, T, ...] -> [T / (s chunk), B, s chunk, ...], positions of all slices
-    x = jnp.moveaxis(x.reshape(b, s, t // (s * chunk), chunk, *x.shape[2:]), 2, 0)
-    return x.reshape(t // (s * chunk), b, s * chunk, *x.shape[4:])
-
-  @jax.checkpoint
-  def piece_loss(h, targets, weights):  # the chunk's share of the numerator
-    return cross_entropy(logits_fn(h), targets, weights, jnp.ones((), jnp.float32))
-
-  def body(total, xs):
-    return total + piece_loss(*xs), None
-
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                          (pieces(h), pieces(targets), pieces(weights)))
-  return total / denominator
 
 
 def batch_media(batch: dict) -> PackedMedia | None:
@@ -70,10 +23,6 @@ def batch_media(batch: dict) -> PackedMedia | None:
   if "media_patches" not in batch:
     return None
   return PackedMedia(*(batch["media_" + f] for f in PackedMedia._fields))
-
-
-def _token_count(weights: jax.Array) -> jax.Array:
-  return jnp.maximum(jnp.sum(weights), 1.0)
 
 
 def split_microbatches(batch: dict, microbatches: int) -> dict:
@@ -104,10 +53,10 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
     media = batch_media(batch)
     h, aux = model.hidden(batch["inputs"], batch["segment_ids"], media)
     with jax.named_scope("lm_head_loss"):
-      loss = chunked_cross_entropy(model.logits, h, batch["targets"], batch["weights"],
-                                   denominator, loss_chunk)
+      loss = chunked_cross_entropy(*model.lm_head_fn(), h, batch["targets"],
+                                   batch["weights"], denominator, loss_chunk)
     if tokens is None:
-      tokens = _token_count(batch["segment_ids"] > 0)
+      tokens = token_count(batch["segment_ids"] > 0)
     balance = model.balance_loss(aux, tokens)
     return loss if balance is None else loss + balance, (loss, balance, aux)
 
@@ -122,8 +71,8 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
     if microbatches == 1:
       (_, (loss, balance, aux)), grads = grad_fn(computed, rest, batch)
       return loss, balance, aux, in_param_dtypes(grads)
-    denominator = _token_count(batch["weights"])
-    tokens = _token_count(batch["segment_ids"] > 0)
+    denominator = token_count(batch["weights"])
+    tokens = token_count(batch["segment_ids"] > 0)
 
     def accumulate(grads, mb):
       (_, parts), mb_grads = grad_fn(computed, rest, mb, denominator, tokens)
@@ -162,7 +111,7 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   def eval_step(params, rest, batch):
     if microbatches == 1:
       return loss_fn(params, rest, batch)[1][0]
-    denominator = _token_count(batch["weights"])
+    denominator = token_count(batch["weights"])
     losses = jax.lax.map(lambda mb: loss_fn(params, rest, mb, denominator)[1][0],
                          split_microbatches(batch, microbatches))
     return jnp.sum(losses)

@@ -15,7 +15,7 @@ from conftest import micro_config, ragged_all_to_all_by_gather, random_model
 from k3jax import axes, parallel
 from k3jax.config import ConfigError, validate
 from k3jax.model import K3Model
-from k3jax.steps import cross_entropy
+from k3jax.lm_loss import cross_entropy
 
 # One pytest-xdist worker for the module (--dist loadgroup): its module-wide fixtures and
 # cached reference runs compile once, not once per worker.

@@ -11,7 +11,7 @@ from conftest import micro_config
 
 from k3jax import config as k3config
 from k3jax import parallel, program
-from k3jax.steps import chunked_cross_entropy, cross_entropy
+from k3jax.lm_loss import chunked_cross_entropy, cross_entropy
 
 
 def _batch(cfg, seed=0):
@@ -64,8 +64,9 @@ def test_microbatched_step_equals_whole_batch(whole):
 
 
 def test_step_with_chunked_loss_equals_whole_logits(whole):
-  """The LM head + loss 8 positions at a time (4 chunks of the 32, under remat): the same
-  step as with the whole [B, T, V] logits: loss, gradient norm, updated state."""
+  """The LM head + loss 8 positions at a time (4 chunks of the 32, each differentiated in
+  its forward): the same step as with the whole [B, T, V] logits: loss, gradient norm,
+  updated state."""
   _assert_same_step(_one_step(1, loss_chunk=8), whole)
 
 
@@ -79,6 +80,11 @@ def _assert_same_step(step, whole):
   flat, ref_flat = jax.tree.leaves_with_path(state), jax.tree.leaves(ref_state)
   for (path, x), y in zip(flat, ref_flat, strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _head(w, h):
+  """A bare LM head: logits = h @ w."""
+  return h @ w
 
 
 def _head_problem():
@@ -101,8 +107,7 @@ def test_chunked_cross_entropy_equals_whole_logits(chunk):
       return cross_entropy(h @ w, targets, weights, denominator)
 
     def chunked(h, w):
-      return chunked_cross_entropy(lambda x: x @ w, h, targets, weights, denominator,  # noqa: B023
-                                   chunk)
+      return chunked_cross_entropy(_head, w, h, targets, weights, denominator, chunk)
 
     ref, ref_grads = jax.jit(jax.value_and_grad(whole, argnums=(0, 1)))(h, w)
     got, grads = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(h, w)
@@ -118,11 +123,49 @@ def test_chunked_cross_entropy_never_forms_the_whole_logits():
 
   def hlo(chunk):
     def loss(h, w):
-      return chunked_cross_entropy(lambda x: x @ w, h, targets, weights, None, chunk)
+      return chunked_cross_entropy(_head, w, h, targets, weights, None, chunk)
     return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).compile().as_text()
 
   assert "f32[2,32,64]" in hlo(0)
   assert "f32[2,32,64]" not in hlo(8) and "f32[2,8,64]" in hlo(8)
+
+
+def _matmuls(jaxpr) -> int:
+  """dot_generals in a jaxpr and every jaxpr inside it (scans, custom VJPs, jits)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == "dot_general"
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        inner = getattr(sub, "jaxpr", sub)
+        if isinstance(inner, jax.extend.core.Jaxpr):
+          count += _matmuls(inner)
+  return count
+
+
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_chunked_loss_runs_the_head_three_times_a_chunk(chunk):
+  """Loss and gradients take three matmuls of the head, whole or chunked: the logits, the
+  hidden states' and the weights' gradients; chunked, the backward computes no logits again
+  (under remat it would: four)."""
+  h, w, targets, weights = _head_problem()
+
+  def loss(h, w):
+    return chunked_cross_entropy(_head, w, h, targets, weights, None, chunk)
+
+  assert _matmuls(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(h, w).jaxpr) == 3
+
+
+def test_chunked_loss_without_gradients_runs_the_head_once():
+  """Not differentiated (the eval step), the chunked loss computes the logits alone."""
+  h, w, targets, weights = _head_problem()
+
+  def loss(h, w):
+    return chunked_cross_entropy(_head, w, h, targets, weights, None, 8)
+
+  assert _matmuls(jax.make_jaxpr(loss)(h, w).jaxpr) == 1
+  whole = cross_entropy(h @ w, targets, weights)
+  np.testing.assert_allclose(jax.jit(loss)(h, w), whole, rtol=1e-6)
 
 
 def test_cross_entropy_picks_the_target_without_a_scatter():
@@ -222,7 +265,7 @@ def test_train_draws_its_fresh_state_inside_the_rules():
 def test_chunks_must_split_the_sequence():
   h, w, targets, weights = _head_problem()
   with pytest.raises(ValueError, match="32 positions do not split into chunks of 5"):
-    chunked_cross_entropy(lambda x: x @ w, h, targets, weights, None, 5)
+    chunked_cross_entropy(_head, w, h, targets, weights, None, 5)
 
 
 def test_microbatches_must_split_the_batch_over_devices():

@@ -213,7 +213,13 @@ class K3Model(nnx.Module):
 
   def logits(self, h: jax.Array) -> jax.Array:
     """The LM head: h [B, T, d] (`hidden`) -> logits [B, T, vocab] in the compute dtype."""
-    return constrain(self.lm_head(h), ("batch", "seq", "vocab"))
+    return _head_logits(self.lm_head, h)
+
+  def lm_head_fn(self):
+    """(logits_fn, head): `logits` as logits_fn(head, h) of the LM head's parameters (a
+    pytree), for a loss that differentiates the head itself."""
+    graph, head = nnx.split(self.lm_head)
+    return (lambda head, h: _head_logits(nnx.merge(graph, head), h)), head
 
   def hidden(self, tokens: jax.Array, segment_ids: jax.Array,
              media: PackedMedia | None = None):
@@ -333,3 +339,7 @@ class K3Model(nnx.Module):
     if not maxima:
       return {}
     return {"mla_max_logit": jnp.max(jnp.stack(maxima)), "qk_clipped_heads": clipped}
+
+
+def _head_logits(lm_head: layers.Dense, h: jax.Array) -> jax.Array:
+  return constrain(lm_head(h), ("batch", "seq", "vocab"))
