@@ -65,13 +65,16 @@ def get_config(arg: str | None = None):
   v.pos_grid, v.max_patches = 32, 4_096
 
   t = c.train
-  # 16 x 4096 tokens a step as 8 microbatches of 2 rows: fits one H200 and keeps Muon's step
-  # a small share of the train step (benchmarks/results/train_step.md)
-  t.seq_len, t.global_batch, t.microbatches = 4_096, 16, 8
-  # The expert matrices cast to bf16 once a step, not in each of the 8 microbatches' forward
-  # and recompute: a faster step for a little more peak memory
-  # (benchmarks/results/train_step.md)
+  # 16 x 4096 tokens a step as 4 microbatches of 4 rows: a faster step than 8 of 2 (fewer
+  # passes over the fp32 gradient sums and the layer stacks) that fits JAX's default share
+  # of one H200 (benchmarks/results/train_step.md)
+  t.seq_len, t.global_batch, t.microbatches = 4_096, 16, 4
+  # The expert matrices cast to bf16 once a step, not in each microbatch's forward and
+  # recompute: a faster step for a little more peak memory (benchmarks/results/train_step.md)
   t.cast_params_once = True
+  # Every GPU matmul on cuBLAS: XLA compiles the step in about half the time (no Triton GEMM
+  # tilings to autotune) for the same step time (benchmarks/results/compile_time.md)
+  t.xla_options = "xla_gpu_enable_triton_gemm=false"
   t.steps = 10_000
   t.log_every, t.eval_every, t.checkpoint_every = 10, 500, 500
   c.optimizer.warmup_steps = 500

@@ -279,6 +279,28 @@ def test_microbatches_must_split_the_batch_over_devices():
     program.build(k3config.validate(cfg), mesh)
 
 
+def test_cast_params_once_without_routed_experts_is_the_same_step():
+  """A model of dense FFNs alone has nothing to cast once: train.cast_params_once steps as
+  without it (it failed: no module to mark prepared)."""
+  def step(cast_once):
+    cfg = micro_config()
+    cfg.model.num_layers, cfg.model.mla_every, cfg.model.dense_layers = 3, 3, 3
+    cfg.optimizer.name = "adamw"
+    cfg.train.cast_params_once = cast_once
+    k3config.validate(cfg)
+    prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
+    batch = jax.device_put(_batch(cfg), prog.batch_shardings)
+    with prog.rules():
+      *state, out = prog.train_step(*prog.init(), batch)
+    return jax.device_get((state, out))
+
+  (state, out), (ref_state, ref_out) = step(True), step(False)
+  np.testing.assert_array_equal(out["loss"], ref_out["loss"])
+  np.testing.assert_array_equal(out["grad_norm"], ref_out["grad_norm"])
+  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
 def test_cast_params_once_gives_the_same_step():
   """train.cast_params_once (the routed expert matrices MXFP4-quantized and cast to bf16 once
   per step, before the microbatches): bitwise the same loss, gradient norm and updated state
