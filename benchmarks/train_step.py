@@ -9,6 +9,9 @@
   for v in false true; do XLA_PYTHON_CLIENT_PREALLOCATE=false python \
       benchmarks/train_step.py --config=experiments/k3_small.py --variants= --nons_blocks \
       --sharers=2 --share_dir=/tmp/share.$$ --config.train.cast_params_once=$v & done; wait
+  # XLA options compared on one lowered step (compile and step time), in one process
+  python benchmarks/train_step.py --config=experiments/k3_small.py --variants= --nons_blocks \
+      --config.train.xla_options= --compile_with=xla_gpu_enable_triton_gemm=false
 
 Issue 3 asks that the optimizer step (update + QK-Clip + apply) stays under 5% of the
 train step (forward, backward, optimizer, Quantile Balancing). The train step is compiled
@@ -61,6 +64,10 @@ _PROFILE_DIR = flags.DEFINE_string(
     "profiler into this directory, with a Perfetto copy for benchmarks/gpu_trace.py")
 _TRAIN_STEP = flags.DEFINE_bool("train_step", True, "also compile and time the train step "
                                 "(minutes of compile for k3_small)")
+_COMPILE_WITH = flags.DEFINE_multi_string(
+    "compile_with", [], "after the train step, compile the same lowered step with each of these "
+    "XLA option sets (\"name=value,...\", added to train.xla_options, later wins) and time it "
+    "going on from the last state: compile and step times side by side in one process")
 
 
 def first_batch(cfg) -> dict:
@@ -175,33 +182,62 @@ def time_optimizer_steps(cfg, abs_params, params) -> dict[str, float]:
   return opt_times
 
 
-def time_train_step(prog, batch, t):
-  """(compiled step, seconds of --reps steps after 2 warm-up ones, every step's loss, the
-  last loss): prog's train step on batch (placed as prog's batch shardings), fresh state;
-  with --profile_dir one more step traced, its HLO beside the trace."""
+def run_steps(step, state, batch) -> tuple[list, list[float], list[float]]:
+  """(state after, seconds of --reps steps after 2 warm-up ones, every step's loss)."""
+  times, losses = [], []
+  for i in range(2 + _REPS.value):
+    t0 = time.perf_counter()
+    *state, out = step(*state, batch)
+    jax.block_until_ready(out)
+    losses.append(float(out["loss"]))
+    if i >= 2:  # after 2 warm-up steps
+      times.append(time.perf_counter() - t0)
+  return state, times, losses
+
+
+def time_train_step(cfg, prog, batch):
+  """(compiled step, seconds of --reps steps after 2 warm-up ones, every step's loss): prog's
+  train step on batch (placed as prog's batch shardings), fresh state; with --profile_dir one
+  more step traced, its HLO beside the trace; then each --compile_with set's row."""
+  t = cfg.train
   with prog.rules():
     state = prog.fresh_state()
     t0 = time.perf_counter()
-    step = prog.train_step.lower(*state, batch).compile()
+    lowered = prog.train_step.lower(*state, batch)
+    step = lowered.compile()
     print(f"# train step compiled in {time.perf_counter() - t0:.0f} s "
           f"({t.microbatches} microbatches of {t.global_batch // t.microbatches} rows)",
           flush=True)
     wait_for_sharers()
-    times, losses = [], []
-    for i in range(2 + _REPS.value):
-      t0 = time.perf_counter()
-      *state, out = step(*state, batch)
-      jax.block_until_ready(out)
-      losses.append(float(out["loss"]))
-      if i >= 2:  # after 2 warm-up steps
-        times.append(time.perf_counter() - t0)
+    state, times, losses = run_steps(step, state, batch)
     if _PROFILE_DIR.value:
       with jax.profiler.trace(_PROFILE_DIR.value, create_perfetto_trace=True):
         *state, out = step(*state, batch)
         jax.block_until_ready(out)
       # the program's HLO, whose op names gpu_trace.py maps kernels to components by
       pathlib.Path(_PROFILE_DIR.value, "train_step.hlo.txt").write_text(step.as_text())
-  return step, times, losses, float(out["loss"])
+    for spec in _COMPILE_WITH.value:
+      options = k3config.xla_options(spec, jax.devices()[0].platform)
+      t0 = time.perf_counter()
+      other = lowered.compile(compiler_options=options)
+      compile_s = time.perf_counter() - t0
+      state, other_times, other_losses = run_steps(other, state, batch)
+      secs = float(np.median(other_times))
+      print(f"# compiled with {spec or 'nothing more'}: XLA compile {compile_s:.1f} s, "
+            f"{secs * 1e3:.1f} ms a step, MFU {mfu_text(cfg, secs)}, temporaries "
+            f"{other.memory_analysis().temp_size_in_bytes / 2**30:.1f} GiB, losses "
+            f"{[round(x, 4) for x in other_losses]}", flush=True)
+      del other
+  return step, times, losses
+
+
+def mfu_text(cfg, step_time: float) -> str:
+  """The step's MFU on this device ("n/a" where its peak is unknown)."""
+  t = cfg.train
+  tokens_per_s = t.global_batch * t.seq_len / step_time / _DEVICES.value  # per device
+  peak = flops.peak_flops(jax.devices()[0])
+  fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
+  return f"{flops.mfu(tokens_per_s, fpt, peak):.1%}" if peak else "n/a"
 
 
 def print_tables(cfg, dev, step, step_time, loss, opt_times):
@@ -211,12 +247,9 @@ def print_tables(cfg, dev, step, step_time, loss, opt_times):
   peak_gib = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
   temp_gib = step.memory_analysis().temp_size_in_bytes / 2**30
   tokens_per_s = t.global_batch * t.seq_len / step_time / _DEVICES.value  # per device
-  fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
-  peak = flops.peak_flops(dev)
-  mfu = f"{flops.mfu(tokens_per_s, fpt, peak):.1%}" if peak else "n/a"
   print(f"\n| train step ({cfg.optimizer.name}) | {step_time * 1e3:.1f} ms | "
-        f"{tokens_per_s:,.0f} tok/s per device | MFU {mfu} | loss {loss:.3f} | "
-        f"peak {peak_gib:.1f} GiB, temporaries {temp_gib:.1f} GiB | "
+        f"{tokens_per_s:,.0f} tok/s per device | MFU {mfu_text(cfg, step_time)} | "
+        f"loss {loss:.3f} | peak {peak_gib:.1f} GiB, temporaries {temp_gib:.1f} GiB | "
         f"KDA {cfg.model.kda.backend} |", flush=True)
   print("\n| optimizer step | time | share of the train step |\n|---|---|---|")
   for variant, secs in opt_times.items():
@@ -230,6 +263,8 @@ def main(argv):
   if _SHARERS.value > 1 and not _SHARE_DIR.value:
     raise app.UsageError("--sharers needs --share_dir: a new directory, the same for all")
   cfg = k3config.validate(cli.CONFIG.value)
+  for spec in _COMPILE_WITH.value:  # a malformed set fails now, not after the compile
+    k3config.xla_options(spec, "any")
   t = cfg.train
   print(header(f"{cfg.model.num_layers} layers, d {cfg.model.d_model}",
                f"batch {t.global_batch} x {t.seq_len}"), flush=True)
@@ -257,9 +292,9 @@ def main(argv):
   print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}, "
         f"cast_params_once {t.cast_params_once}", flush=True)
   batch = jax.device_put(batch, prog.batch_shardings)
-  step, times, losses, loss = time_train_step(prog, batch, t)
+  step, times, losses = time_train_step(cfg, prog, batch)
   print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
-  print_tables(cfg, jax.devices()[0], step, float(np.median(times)), loss, opt_times)
+  print_tables(cfg, jax.devices()[0], step, float(np.median(times)), losses[-1], opt_times)
 
 
 def main_or_mark_failed(argv):

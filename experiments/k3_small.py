@@ -72,8 +72,8 @@ def get_config(arg: str | None = None):
   # The expert matrices cast to bf16 once a step, not in each microbatch's forward and
   # recompute: a faster step for a little more peak memory (benchmarks/results/train_step.md)
   t.cast_params_once = True
-  # Every GPU matmul on cuBLAS: XLA compiles the step in about half the time (no Triton GEMM
-  # tilings to autotune) for the same step time (benchmarks/results/compile_time.md)
+  # Every GPU matmul on cuBLAS: a faster compile (no Triton GEMM tilings to autotune) for the
+  # same step time (benchmarks/results/compile_time.md)
   t.xla_options = "xla_gpu_enable_triton_gemm=false"
   t.steps = 10_000
   t.log_every, t.eval_every, t.checkpoint_every = 10, 500, 500

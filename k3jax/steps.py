@@ -49,8 +49,7 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
     """(LM + balancing loss, (LM loss, balancing loss, aux)); None denominators: this batch's."""
     model = nnx.merge(graphdef, params, rest)
     if views is not None:
-      # (a model with no routed-expert layer has nothing prepared)
-      model.set_attributes(weights_prepared=True, raise_if_not_found=False)
+      model.set_attributes(weights_prepared=True)
     media = batch_media(batch)
     h, aux = model.hidden(batch["inputs"], batch["segment_ids"], media)
     with jax.named_scope("lm_head_loss"):

@@ -67,11 +67,13 @@ class ComputeView:
 
 
 def compute_views(abstract_params) -> Any:
-  """`ComputeView` per leaf of `nnx.state(model, nnx.Param)` (only metadata is read)."""
+  """`ComputeView` per leaf of `nnx.state(model, nnx.Param)` (only metadata is read); None
+  when no parameter has one (a model without routed experts: nothing to prepare)."""
   def view(v):
     meta = v.get_metadata()
     return ComputeView(meta.get("compute_dtype", ""), meta.get("compute_quant", ""))
-  return jax.tree.map(view, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  views = jax.tree.map(view, abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return views if any(jax.tree.leaves(views)) else None
 
 
 def normal(std: float) -> Initializer:
