@@ -10,6 +10,7 @@ from flax import nnx
 from k3jax import config as k3config
 from k3jax.model import K3Model, layer_plan
 from k3jax.model.quantile_balancing import BalanceBias
+from k3jax.model.remat import SAVEABLE
 
 # One pytest-xdist worker for the module (--dist loadgroup): its module-wide fixtures and
 # cached reference runs compile once, not once per worker.
@@ -113,9 +114,12 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
   for changes, tol in (({"scan_layers": False}, 0.0), ({"remat": "full"}, 1e-4),
                        ({"remat": "dots"}, 1e-4), ({"remat": "kernels"}, 1e-4),
                        ({"remat": "full", "remat_scope": "layer"}, 1e-4),
+                       ({"remat": "full", "remat_save": ",".join(SAVEABLE)}, 1e-4),
+                       ({"remat": "full", "remat_scope": "layer", "remat_save": "kda_proj"},
+                        1e-4),
                        ({"attn_res.scan_saves": "partial", "remat": "full"}, 1e-4)):
-    l, g = loss_for(**changes)
-    np.testing.assert_allclose(l, base_loss, rtol=1e-5, err_msg=str(changes))
+    value, g = loss_for(**changes)
+    np.testing.assert_allclose(value, base_loss, rtol=1e-5, err_msg=str(changes))
     for (path, a), (_, b) in zip(nnx.to_flat_state(g), nnx.to_flat_state(base_grad)):
       err = np.linalg.norm(a[...] - b[...]) / max(np.linalg.norm(b[...]), 1e-12)
       assert err <= tol, (changes, path, err)
@@ -124,7 +128,7 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
 def test_kernels_remat_saves_the_kernels_outputs():
   """remat "kernels": the gradient of a rematerialized KDA (its Pallas kernels interpreted)
   launches the kernels of no remat, not the forward's again as "full" does; same values."""
-  from k3jax.model.k3 import REMAT  # noqa: PLC0415
+  from k3jax.model.remat import POLICIES as REMAT  # noqa: PLC0415
   from pallas_kernels import kda as kda_ops  # noqa: PLC0415
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(3))
@@ -139,6 +143,36 @@ def test_kernels_remat_saves_the_kernels_outputs():
   kernels = {name: str(jax.make_jaxpr(f)(q)).count("pallas_call") for name, f in grads.items()}
   assert kernels["kernels"] == kernels["none"] < kernels["full"], kernels
   np.testing.assert_allclose(grads["kernels"](q), grads["none"](q), rtol=1e-6)
+
+
+@pytest.mark.parametrize("save,fewer", [("kda_proj", 4 * 3), ("glu_proj", 2 * 2 * 5),
+                                        ("moe_latent", 5), ("mla_proj", 3 * 2)])
+def test_remat_save_keeps_the_named_matmuls_out_of_the_recompute(save, fewer):
+  """remat "full" with `remat_save`: the gradient recomputes the forward without the named
+  values' matmuls. Counted in the gradient's jaxpr of `_scan_config`, where the scanned
+  cycle's body and the final layer appear once: 3 KDA layers (q, k, v and the output gate's
+  projections), 5 MoE layers (two shared experts' GLU inputs each; the latent), 2 MLA layers
+  (q, kv and the output gate)."""
+  tokens = np.zeros((2, 40), np.int32)
+  seg = np.ones((2, 40), np.int32)
+
+  def dots(**changes):
+    cfg = _scan_config(remat="full", **changes)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0))))
+
+    def loss(state):
+      return jnp.sum(nnx.merge(graphdef, state)(tokens, seg)[0].astype(jnp.float32))
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(state).jaxpr
+    return sum(e.primitive.name == "dot_general" for e in jaxpr_eqns(jaxpr))
+
+  assert dots() - dots(remat_save=save) == fewer
+
+
+def test_remat_save_names_are_checked():
+  cfg = micro_config()
+  cfg.model.remat_save = "kda_proj,kda_projections"
+  with pytest.raises(k3config.ConfigError, match="model.remat_save.*kda_projections"):
+    k3config.validate(cfg)
 
 
 def test_layer_remat_scope_puts_each_scanned_layer_in_its_own_region():

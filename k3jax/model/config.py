@@ -8,6 +8,9 @@ import ml_collections
 from k3jax.config_error import check, check_backend
 from k3jax.model.balancing import BALANCINGS
 from k3jax.model.moe_dispatch import DISPATCHES
+from k3jax.model.remat import POLICIES as REMAT_POLICIES
+from k3jax.model.remat import SAVEABLE as REMAT_SAVEABLE
+from k3jax.model.remat import parse_save
 from pallas_kernels.attention import BACKENDS as ATTENTION_BACKENDS
 from pallas_kernels.attention import RENAMED as ATTENTION_RENAMED
 from pallas_kernels.attn_res import BACKENDS as ATTN_RES_BACKENDS
@@ -16,7 +19,6 @@ from pallas_kernels.kda import BACKENDS as KDA_BACKENDS
 from pallas_kernels.kda import RENAMED as KDA_RENAMED
 from pallas_kernels.short_conv import BACKENDS as CONV_BACKENDS
 
-REMAT_POLICIES = ("none", "full", "dots", "kernels")
 DTYPES = ("float32", "bfloat16")
 MLA_FORMS = ("expanded", "absorbed")  # model.mla.form
 EXPERT_QUANTS = ("none", "mxfp4")  # model.moe.expert_quant
@@ -35,6 +37,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.dtype = "bfloat16"   # compute dtype; parameters are stored in param_dtype
   m.param_dtype = "float32"
   m.remat = "full"       # one of REMAT_POLICIES, applied per scanned cycle
+  m.remat_save = ""      # names kept on top of `remat` ("kda_proj,glu_proj"): remat.SAVEABLE
   m.remat_scope = "cycle"  # "cycle": one remat region per cycle; "layer": also per layer
   m.scan_layers = True
   m.kda = _kda()
@@ -161,7 +164,10 @@ def validate_model(m: ml_collections.ConfigDict) -> None:
   check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {m.dtype!r}")
   check(m.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
   check(m.remat in REMAT_POLICIES, "model.remat",
-        f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
+        f"must be one of {tuple(REMAT_POLICIES)}, got {m.remat!r}")
+  unknown = [n for n in parse_save(m.remat_save) if n not in REMAT_SAVEABLE]
+  check(not unknown, "model.remat_save",
+        f"unknown names {unknown}; known: {', '.join(REMAT_SAVEABLE)}")
   check(m.remat_scope in ("cycle", "layer"), "model.remat_scope",
         f"must be 'cycle' or 'layer', got {m.remat_scope!r}")
   _check_kda(m.kda)

@@ -15,26 +15,12 @@ from flax import nnx
 
 from k3jax.axes import constrain
 from k3jax.media import PackedMedia
-from k3jax.model import attn_res, embedding, layers
+from k3jax.model import attn_res, embedding, layers, remat
 from k3jax.model.kda import KDA
 from k3jax.model.latent_moe import LatentMoE
 from k3jax.model.mla import MLA
 from k3jax.model.situ_glu import GLUMLP
 from k3jax.model.vision import VisionTower, insert_features
-
-def _kernel_outputs(prim, *_, **__):
-  """Saves what the Pallas kernels compute (KDA's chunk values, states and outputs, the
-  grouped expert matmuls); the rest (projections, norms, AttnRes) is recomputed."""
-  return prim.name == "pallas_call"
-
-
-REMAT = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "kernels": _kernel_outputs,
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
@@ -149,8 +135,8 @@ class Cycle(nnx.Module):
     self.layers = nnx.List([Layer(cfg_model, "kda" if j < every - 1 else "mla", "moe", rngs=rngs)
                             for j in range(every)])
     # remat_scope "layer": the cycle's backward holds one layer's activations at a time.
-    self.policy = (REMAT[cfg_model.remat] if cfg_model.remat != "none"
-                   and cfg_model.remat_scope == "layer" else None)
+    self.policy = (remat.policy(cfg_model.remat, cfg_model.remat_save)
+                   if cfg_model.remat_scope == "layer" else None)
 
   def __call__(self, stream, segment_ids, valid):
     auxes = []
@@ -169,7 +155,8 @@ class K3Model(nnx.Module):
 
   def __init__(self, cfg_model, *, rngs: nnx.Rngs):
     self.plan = plan = layer_plan(cfg_model)
-    self.remat, self.scan_layers = cfg_model.remat, cfg_model.scan_layers
+    self.policy = remat.policy(cfg_model.remat, cfg_model.remat_save)
+    self.scan_layers = cfg_model.scan_layers
     self.use_attn_res = cfg_model.attn_res.enabled
     self.scan_saves = cfg_model.attn_res.scan_saves
     self.num_slots = attn_res.num_slots_for(cfg_model.num_layers, cfg_model.attn_res.block_layers)
@@ -201,9 +188,9 @@ class K3Model(nnx.Module):
     self.placeholder_id = cfg_model.vision.placeholder_id
 
   def _remat(self, fn):
-    if self.remat == "none":
+    if self.policy is None:
       return fn
-    return jax.checkpoint(fn, policy=REMAT[self.remat])
+    return jax.checkpoint(fn, policy=self.policy)
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array,
                media: PackedMedia | None = None):

@@ -14,6 +14,7 @@ from flax import nnx
 from k3jax import axes
 from k3jax.axes import constrain
 from k3jax.model import layers
+from k3jax.model.remat import keep
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import short_conv as conv_ops
 
@@ -88,24 +89,24 @@ class KDA(nnx.Module):
     where = dict(mesh=axes.current_mesh(), batch_axis=spec[0], head_axis=spec[2],
                  seq_axis=axes.split_axes("seq"))
 
-    projs = [p(x) for p in (self.q_proj, self.k_proj, self.v_proj)]       # [B, T, H, K]
+    projs = [keep("kda_proj", p(x)) for p in (self.q_proj, self.k_proj, self.v_proj)]
 
     def conv(proj, weight, normalize):  # silu(short conv), L2-normalized for q and k
-      return constrain(conv_ops.short_conv(proj, weight[...], segment_ids,
-                                           normalize=normalize, backend=self.conv_backend,
-                                           **where), act)
+      return keep("kda_inputs", constrain(conv_ops.short_conv(
+          proj, weight[...], segment_ids, normalize=normalize, backend=self.conv_backend,
+          **where), act))
 
     q, k = conv(projs[0], self.q_conv, True), conv(projs[1], self.k_conv, True)
     v = conv(projs[2], self.v_conv, False)
-    beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
-    o = kda_ops.kda(q, k, v, self.decay(x), beta, segment_ids=segment_ids,
+    beta = keep("kda_inputs", jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32)))
+    o = kda_ops.kda(q, k, v, keep("kda_inputs", self.decay(x)), beta, segment_ids=segment_ids,
                     backend=self.backend, chunk_size=self.chunk_size or None,
                     output_final_state=cache, bounded_gate=self.gate_kind == "bounded",
                     **where)
     if cache:
       o, state = o
     o = self.o_norm(o.astype(jnp.float32)) * jax.nn.sigmoid(
-        self.gate_proj(x).astype(jnp.float32))
+        keep("kda_proj", self.gate_proj(x)).astype(jnp.float32))
     y = constrain(self.o_proj(o.astype(x.dtype)), ("batch", "seq", "embed"))
     if not cache:
       return y, {}

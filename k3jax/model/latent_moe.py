@@ -26,6 +26,7 @@ from k3jax.model import quantile_balancing as qb
 from k3jax.model.expert_parallel import (expert_parallel_dropless_moe, expert_parallel_moe,
                                          experts_split)
 from k3jax.model.layers import ComputeView, Dense, RMSNorm, normal, param
+from k3jax.model.remat import keep
 from k3jax.model.moe_dispatch import (batched_glu_experts, capacity_moe, dropless_moe,
                                       grouped_kernel_fits, ragged_glu_experts, resolve_dispatch)
 from k3jax.model.situ_glu import GLUMLP, glu_activation
@@ -106,7 +107,7 @@ class LatentMoE(nnx.Module):
       idx, weights, alpha = route_per_device(scores, bias, k)  # [N, k], [N, k], [N]
     x = x.astype(self.dtype)
 
-    z = constrain(self.w_down(x), ("batch", "seq", "latent"))  # [B, T, L]
+    z = keep("moe_latent", constrain(self.w_down(x), ("batch", "seq", "latent")))  # [B, T, L]
     act = glu_activation(self.activation, self.b1, self.b2)
     flat_valid = valid.reshape(n)
     w = weights * self.routed_scaling

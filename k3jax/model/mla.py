@@ -24,6 +24,7 @@ from flax import nnx
 from k3jax import axes
 from k3jax.axes import constrain
 from k3jax.model.layers import Dense, RMSNorm
+from k3jax.model.remat import keep
 from pallas_kernels import attention as attention_ops
 from pallas_kernels.attention import attention_mask  # noqa: F401  (re-exported: the mask)
 
@@ -76,14 +77,14 @@ class MLA(nnx.Module):
     """Both forms' start: q [B, T, H, nope + rope] and x W_kva [B, T, kv_lora + rope]."""
     x = constrain(x.astype(self.dtype), BTE)
     c_q = constrain(self.q_norm(self.wq_a(x)), ("batch", "seq", "q_lora"))
-    return constrain(self.wq_b(c_q), BTHD), self.wkv_a(x)
+    return keep("mla_proj", constrain(self.wq_b(c_q), BTHD)), self.wkv_a(x)
 
   def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k [B, T, H, nope + rope], v [B, T, H, v]; only c_kv and k_r cross devices."""
     q, kv_a = self._queries(x)
     c_kv = constrain(self.kv_norm(kv_a[..., :self.kv_lora]), ("batch", "kv_seq", "kv_lora"))
     k_r = constrain(kv_a[..., self.kv_lora:], ("batch", "kv_seq", "head_dim"))  # [B, T, rope]
-    kv = constrain(self.wkv_b(c_kv), KV)                                 # [B, T, H, nope + v]
+    kv = keep("mla_proj", constrain(self.wkv_b(c_kv), KV))               # [B, T, H, nope + v]
     k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
     # shared by the heads; broadcast in fp32 so that its gradient sums the heads in fp32
     k_r = jnp.broadcast_to(k_r.astype(jnp.float32)[:, :, None, :],
@@ -115,7 +116,7 @@ class MLA(nnx.Module):
     else:
       o, logit_max = attention(*self.project(x), segment_ids, self.scale, self.backend)
     o = constrain(o, BTHD)
-    gate = jax.nn.sigmoid(self.w_g(x).astype(jnp.float32))
+    gate = jax.nn.sigmoid(keep("mla_proj", self.w_g(x)).astype(jnp.float32))
     return constrain((o.astype(jnp.float32) * gate).astype(self.dtype), BTHD), logit_max
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict]:

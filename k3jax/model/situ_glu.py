@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.model.layers import Dense
+from k3jax.model.remat import keep
 
 ACTIVATIONS = ("situ_glu", "swiglu")
 
@@ -53,5 +54,5 @@ class GLUMLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     act = glu_activation(self.activation, self.b1, self.b2)
-    h = act(self.w_g(x), self.w_u(x)).astype(self.dtype)  # [..., hidden]
-    return self.w_d(h)
+    h = act(keep("glu_proj", self.w_g(x)), keep("glu_proj", self.w_u(x)))  # [..., hidden]
+    return self.w_d(h.astype(self.dtype))

@@ -1,0 +1,57 @@
+"""What a rematerialized region keeps for its backward: `model.remat` and `model.remat_save`.
+
+`model.remat` is the base policy of each region (a scanned cycle; each layer too with
+`remat_scope="layer"`). `model.remat_save` names values kept on top of it: the model tags
+them with `keep(name, x)`; each costs a matmul or a kernel to recompute and little to hold."""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+
+def _kernel_outputs(prim, *_, **__):
+  """Saves what the Pallas kernels compute (KDA's chunk values, states and outputs, the
+  grouped expert matmuls); the rest (projections, norms, AttnRes) is recomputed."""
+  return prim.name == "pallas_call"
+
+
+POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "kernels": _kernel_outputs,
+}
+
+# name -> what `keep` tags with it (shapes per layer)
+SAVEABLE = {
+    "kda_proj": "KDA's q, k, v projections before the short conv and its output gate's "
+                "[B, T, H, K] each",
+    "kda_inputs": "KDA's recurrence inputs: q, k, v after the short conv [B, T, H, K], the "
+                  "log-decay g [B, T, H, K] fp32 and beta [B, T, H] fp32",
+    "mla_proj": "MLA's q [B, T, H, nope + rope], k, v and output gate",
+    "moe_latent": "LatentMoE's latent z = x W_down [B, T, latent]",
+    "glu_proj": "the gated MLPs' x W_g and x W_u (shared experts, dense FFN) [B, T, hidden]",
+}
+
+
+def keep(name: str, x: jax.Array) -> jax.Array:
+  """x, tagged `name` (one of SAVEABLE) for `model.remat_save`."""
+  if name not in SAVEABLE:
+    raise ValueError(f"remat.keep: unknown name {name!r}; known: {tuple(SAVEABLE)}")
+  return checkpoint_name(x, name)
+
+
+def parse_save(save: str) -> tuple[str, ...]:
+  """`model.remat_save` ("kda_proj,glu_proj", "" for none) as a tuple of names."""
+  return tuple(s.strip() for s in save.split(",") if s.strip())
+
+
+def policy(remat: str, save: str = ""):
+  """The `jax.checkpoint` policy of `remat` (None: no remat) keeping `save`'s names too."""
+  base = POLICIES[remat]
+  names = parse_save(save)
+  if base is None or not names:
+    return base
+  return jax.checkpoint_policies.save_from_both_policies(
+      base, jax.checkpoint_policies.save_only_these_names(*names))
