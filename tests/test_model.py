@@ -145,27 +145,32 @@ def test_kernels_remat_saves_the_kernels_outputs():
   np.testing.assert_allclose(grads["kernels"](q), grads["none"](q), rtol=1e-6)
 
 
-@pytest.mark.parametrize("save,fewer", [("kda_proj", 4 * 3), ("glu_proj", 2 * 2 * 5),
-                                        ("moe_latent", 5), ("mla_proj", 3 * 2)])
-def test_remat_save_keeps_the_named_matmuls_out_of_the_recompute(save, fewer):
-  """remat "full" with `remat_save`: the gradient recomputes the forward without the named
-  values' matmuls. Counted in the gradient's jaxpr of `_scan_config`, where the scanned
+@pytest.mark.parametrize("save,fewer", [
+    ("kda_proj", {"matmuls": 4 * 3}), ("glu_proj", {"matmuls": 2 * 2 * 5}),
+    ("moe_latent", {"matmuls": 5}), ("mla_proj", {"matmuls": 3 * 2}),
+    ("moe_experts", {"matmuls": 3 * 5, "sorts": 5})])
+def test_remat_save_keeps_the_named_values_out_of_the_recompute(save, fewer):
+  """remat "full" with `remat_save`: the gradient recomputes the forward without what makes
+  the named values. Counted in the gradient's jaxpr of `_scan_config`, where the scanned
   cycle's body and the final layer appear once: 3 KDA layers (q, k, v and the output gate's
-  projections), 5 MoE layers (two shared experts' GLU inputs each; the latent), 2 MLA layers
-  (q, kv and the output gate)."""
+  projections), 5 MoE layers (two shared experts' GLU inputs each; the latent; the routed
+  experts' three grouped matmuls and the dispatch's sort), 2 MLA layers (q, kv and the
+  output gate)."""
   tokens = np.zeros((2, 40), np.int32)
   seg = np.ones((2, 40), np.int32)
 
-  def dots(**changes):
+  def counts(**changes):
     cfg = _scan_config(remat="full", **changes)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0))))
 
     def loss(state):
       return jnp.sum(nnx.merge(graphdef, state)(tokens, seg)[0].astype(jnp.float32))
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(state).jaxpr
-    return sum(e.primitive.name == "dot_general" for e in jaxpr_eqns(jaxpr))
+    names = [e.primitive.name for e in jaxpr_eqns(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)]
+    return {"matmuls": sum(n in ("dot_general", "ragged_dot_general") for n in names),
+            "sorts": names.count("sort")}
 
-  assert dots() - dots(remat_save=save) == fewer
+  full, kept = counts(), counts(remat_save=save)
+  assert {key: full[key] - kept[key] for key in full} == {"sorts": 0, **fewer}
 
 
 def test_remat_save_names_are_checked():

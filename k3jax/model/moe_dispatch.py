@@ -12,6 +12,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from k3jax.model.remat import keep
 from pallas_kernels.grouped_matmul import grouped_matmul, resolve_backend
 from pallas_kernels.shard_types import cotangent_like
 
@@ -68,11 +69,12 @@ def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: Expe
 def _dropless(z, idx, weights, experts, num_experts):
   n, k = idx.shape
   flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [N*k] the pair at each row
-  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-  row = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32),
-                                            unique_indices=True)  # a permutation's inverse
-  out_sorted = experts(_dispatch(z, order, row.reshape(n, k)), group_sizes)  # [N*k, L]
+  order = keep("moe_experts", jnp.argsort(flat, stable=True).astype(jnp.int32))  # pair a row
+  group_sizes = keep("moe_experts", jnp.bincount(flat, length=num_experts).astype(jnp.int32))
+  row = keep("moe_experts", jnp.zeros_like(order).at[order].set(
+      jnp.arange(n * k, dtype=jnp.int32), unique_indices=True))  # a permutation's inverse
+  rows = keep("moe_experts", _dispatch(z, order, row.reshape(n, k)))  # [N*k, L]
+  out_sorted = keep("moe_experts", experts(rows, group_sizes))  # [N*k, L]
   return _combine(out_sorted, weights, row.reshape(n, k), order)
 
 
@@ -172,8 +174,8 @@ def ragged_glu_experts(w_g: jax.Array, w_u: jax.Array, w_d: jax.Array, act, dtyp
   @jax.named_scope("experts")
   def run(rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
     rows = rows.astype(dtype)
-    g = gmm(rows, w_g, group_sizes)  # [M, H]
-    v = gmm(rows, w_u, group_sizes)  # [M, H]
+    g = keep("moe_experts", gmm(rows, w_g, group_sizes))  # [M, H]
+    v = keep("moe_experts", gmm(rows, w_u, group_sizes))  # [M, H]
     return gmm(act(g, v).astype(dtype), w_d, group_sizes)  # [M, L]
   return run
 

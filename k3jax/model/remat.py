@@ -31,6 +31,9 @@ SAVEABLE = {
                   "log-decay g [B, T, H, K] fp32 and beta [B, T, H] fp32",
     "mla_proj": "MLA's q [B, T, H, nope + rope], k, v and output gate",
     "moe_latent": "LatentMoE's latent z = x W_down [B, T, latent]",
+    "moe_experts": "the dropless dispatch's sort (order, inverse, group sizes [E]), the "
+                   "sorted rows [N*k, latent], the routed experts' x W_g and x W_u [N*k, "
+                   "hidden] and their outputs [N*k, latent]",
     "glu_proj": "the gated MLPs' x W_g and x W_u (shared experts, dense FFN) [B, T, hidden]",
 }
 
