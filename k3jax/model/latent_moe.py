@@ -26,9 +26,9 @@ from k3jax.model import quantile_balancing as qb
 from k3jax.model.expert_parallel import (expert_parallel_dropless_moe, expert_parallel_moe,
                                          experts_split)
 from k3jax.model.layers import ComputeView, Dense, RMSNorm, normal, param
-from k3jax.model.remat import keep
 from k3jax.model.moe_dispatch import (batched_glu_experts, capacity_moe, dropless_moe,
                                       grouped_kernel_fits, ragged_glu_experts, resolve_dispatch)
+from k3jax.model.remat import keep
 from k3jax.model.situ_glu import GLUMLP, glu_activation
 from pallas_kernels.platform import target_platform
 

@@ -69,10 +69,11 @@ def dropless_moe(z: jax.Array, idx: jax.Array, weights: jax.Array, experts: Expe
 def _dropless(z, idx, weights, experts, num_experts):
   n, k = idx.shape
   flat = idx.reshape(-1)  # [N*k] expert of each (token, slot)
-  order = keep("moe_experts", jnp.argsort(flat, stable=True).astype(jnp.int32))  # pair a row
-  group_sizes = keep("moe_experts", jnp.bincount(flat, length=num_experts).astype(jnp.int32))
-  row = keep("moe_experts", jnp.zeros_like(order).at[order].set(
-      jnp.arange(n * k, dtype=jnp.int32), unique_indices=True))  # a permutation's inverse
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [N*k] the pair at each row
+  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+  row = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=jnp.int32),
+                                            unique_indices=True)  # a permutation's inverse
+  order, group_sizes, row = (keep("moe_experts", a) for a in (order, group_sizes, row))
   rows = keep("moe_experts", _dispatch(z, order, row.reshape(n, k)))  # [N*k, L]
   out_sorted = keep("moe_experts", experts(rows, group_sizes))  # [N*k, L]
   return _combine(out_sorted, weights, row.reshape(n, k), order)
