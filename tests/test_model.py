@@ -173,6 +173,15 @@ def test_remat_save_keeps_the_named_values_out_of_the_recompute(save, fewer):
   assert {key: full[key] - kept[key] for key in full} == {"sorts": 0, **fewer}
 
 
+def test_equal_configs_build_equal_graphdefs():
+  """The remat policy is derived when traced, not held: two models of one config with
+  `remat_save` have equal graphdefs (what jit and nnx caches compare)."""
+  cfg = _scan_config(remat="full", remat_scope="layer", remat_save="kda_proj,moe_experts")
+  graphdef = lambda: nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg.model,  # noqa: E731
+                                                                 rngs=nnx.Rngs(0))))
+  assert graphdef() == graphdef()
+
+
 def test_remat_save_names_are_checked():
   cfg = micro_config()
   cfg.model.remat_save = "kda_proj,kda_projections"

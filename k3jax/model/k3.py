@@ -135,16 +135,17 @@ class Cycle(nnx.Module):
     self.layers = nnx.List([Layer(cfg_model, "kda" if j < every - 1 else "mla", "moe", rngs=rngs)
                             for j in range(every)])
     # remat_scope "layer": the cycle's backward holds one layer's activations at a time.
-    self.policy = (remat.policy(cfg_model.remat, cfg_model.remat_save)
-                   if cfg_model.remat_scope == "layer" else None)
+    self.layer_remat = ((cfg_model.remat, cfg_model.remat_save)
+                        if cfg_model.remat_scope == "layer" else ("none", ""))
 
   def __call__(self, stream, segment_ids, valid):
     auxes = []
+    policy = remat.policy(*self.layer_remat)
     for layer in self.layers:
       def run(s, layer=layer):
         return layer(s, segment_ids, valid)
-      if self.policy is not None:
-        run = jax.checkpoint(run, policy=self.policy)
+      if policy is not None:
+        run = jax.checkpoint(run, policy=policy)
       stream, aux = run(stream)
       auxes.append(aux)
     return stream, auxes
@@ -155,7 +156,9 @@ class K3Model(nnx.Module):
 
   def __init__(self, cfg_model, *, rngs: nnx.Rngs):
     self.plan = plan = layer_plan(cfg_model)
-    self.policy = remat.policy(cfg_model.remat, cfg_model.remat_save)
+    # the names, not the policy: a function built per model would make equal configs'
+    # graphdefs unequal
+    self.remat, self.remat_save = cfg_model.remat, cfg_model.remat_save
     self.scan_layers = cfg_model.scan_layers
     self.use_attn_res = cfg_model.attn_res.enabled
     self.scan_saves = cfg_model.attn_res.scan_saves
@@ -188,9 +191,8 @@ class K3Model(nnx.Module):
     self.placeholder_id = cfg_model.vision.placeholder_id
 
   def _remat(self, fn):
-    if self.policy is None:
-      return fn
-    return jax.checkpoint(fn, policy=self.policy)
+    policy = remat.policy(self.remat, self.remat_save)
+    return fn if policy is None else jax.checkpoint(fn, policy=policy)
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array,
                media: PackedMedia | None = None):
