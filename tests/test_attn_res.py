@@ -1,6 +1,8 @@
 """Block Attention Residuals: the direct read and the block bookkeeping (eager, unrolled and
-scanned with traced indices) against numpy; the scan that saves only the partial slot
-against jax.lax.scan."""
+scanned with traced indices) against numpy; the unrolled stack's separate slots against the
+buffer; the scan that saves only the partial slot against jax.lax.scan."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +99,16 @@ def reference_stack(emb, qs, gs, ws, q_out, g_out, block_sub):
   return np.stack(inputs), final, blocks, partial
 
 
+def unrolled_stack(emb, ws, queries, out_query, block_sub, state):
+  """The stack layer by layer in Python from `state` (a BlockState or Slots of emb)."""
+  hs = []
+  for query, w in zip(queries, ws):
+    h = read(state, query)
+    hs.append(h)
+    state = write(state, jnp.tanh(h @ w), block_sub)
+  return jnp.stack(hs), read(state, out_query), state
+
+
 @pytest.mark.parametrize("num_layers", [5, 4])
 def test_block_state_sequence_unrolled(num_layers):
   block_layers, block_sub = 2, 4
@@ -106,16 +118,8 @@ def test_block_state_sequence_unrolled(num_layers):
   queries = [query_module(qs[l], gs[l]) for l in range(num_sub)]
   out_query = query_module(q_out, g_out)
   num_slots = num_slots_for(num_layers, block_layers)
-
-  @jax.jit
-  def run(emb):
-    state = init_state(emb, num_slots)
-    hs = []
-    for l in range(num_sub):
-      h = read(state, queries[l])
-      hs.append(h)
-      state = write(state, jnp.tanh(h @ ws[l]), block_sub)
-    return jnp.stack(hs), read(state, out_query), state
+  run = jax.jit(lambda emb: unrolled_stack(emb, ws, queries, out_query, block_sub,
+                                           init_state(emb, num_slots)))
 
   hs, final, state = run(jnp.asarray(emb))
   ref_hs, ref_final, blocks, partial = reference_stack(emb, qs, gs, ws, q_out, g_out, block_sub)
@@ -128,6 +132,39 @@ def test_block_state_sequence_unrolled(num_layers):
     np.testing.assert_allclose(state.sources[len(blocks)], partial, rtol=1e-5, atol=1e-5)
   assert list(np.asarray(valid_sources(state))) == (
       [True] * len(blocks) + [partial is not None] + [False] * (num_slots - len(blocks) - 1))
+
+
+@pytest.mark.parametrize("num_layers", [5, 4])
+def test_slots_equal_the_buffer(num_layers):
+  """`Slots` (each source its own array, counts static) hold the buffer's valid slots, and
+  the stack through them gives the buffer's reads, outputs and gradients: the same stack
+  with only the sources that exist."""
+  block_layers, block_sub = 2, 4
+  qs, gs, ws, q_out, g_out = stack_params(2 * num_layers, seed=50)
+  emb = jnp.asarray(randn(51, B, T, D))
+
+  def run(form, emb, ws):
+    queries = [query_module(q, g) for q, g in zip(qs, gs)]
+    start = (attn_res.init_slots(emb) if form == "slots"
+             else init_state(emb, num_slots_for(num_layers, block_layers)))
+    return unrolled_stack(emb, ws, queries, query_module(q_out, g_out), block_sub, start)
+
+  def loss(form, emb, ws):
+    hs, final, _ = run(form, emb, ws)
+    return jnp.sum(jnp.sin(hs)) + jnp.sum(final ** 2)
+
+  (hs, final, slots), (b_hs, b_final, buffer) = (
+      jax.jit(functools.partial(run, form))(emb, jnp.asarray(ws)) for form in ("slots", "buffer"))
+  np.testing.assert_allclose(hs, b_hs, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(final, b_final, rtol=1e-6, atol=1e-6)
+  assert len(slots.blocks) == int(buffer.num_done) + 1 and slots.in_block == int(buffer.in_block)
+  assert (slots.partial is None) == (slots.in_block == 0)
+  np.testing.assert_allclose(jnp.stack(slots.sources), buffer.sources[:len(slots.sources)],
+                             rtol=1e-6, atol=1e-6)
+  grads = [jax.jit(jax.grad(functools.partial(loss, form), argnums=(0, 1)))(emb, jnp.asarray(ws))
+           for form in ("slots", "buffer")]
+  for got, want in zip(*grads):   # fp32 rounding of sums over fewer terms, relative to each
+    assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)
 
 
 def scanned_stack(emb, qs, gs, ws, q_out, g_out, num_slots, block_sub):

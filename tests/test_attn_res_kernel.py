@@ -64,10 +64,11 @@ def test_bf16_kernel_is_as_accurate_as_the_reference():
     assert _rel(a, e) <= 1.5 * _rel(b, e) + 1e-6
 
 
-def test_sharded_equals_unsharded():
+@pytest.mark.parametrize("separate", [False, True])
+def test_sharded_equals_unsharded(separate):
   """Under a (batch 2 x seq 4) mesh of 8 devices the kernels run per device under
   shard_map and give the unsharded result and gradients (query and gain summed over
-  every device's tokens)."""
+  every device's tokens); the sources as one buffer or as separate arrays."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "context"))
   sources, query, gain, dh = _inputs(4, 2, 64, 32, seed=3)
@@ -75,10 +76,12 @@ def test_sharded_equals_unsharded():
   sharded = lambda *a, **k: attend(*a, mesh=mesh, batch_axis="data", seq_axis="context",
                                    **k)
   sources = jax.device_put(sources, NamedSharding(mesh, P(None, "data", "context")))
+  if separate:
+    sources, valid = [sources[0], sources[1], sources[3]], None
   got = jax.jit(lambda *a: _value_and_grads(sharded, *a, backend="interpret"))(
       sources, valid, query, gain, dh)
   want = _value_and_grads(attend, sources, valid, query, gain, dh, backend="reference")
-  for a, b in zip(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
 
 
@@ -102,18 +105,22 @@ def test_dispatcher():
       attend(sources, None, query[:16], gain, EPS, backend=backend)
 
 
-@pytest.mark.parametrize("reads", [1, 3])
-def test_lowers_for_cuda(reads):
+@pytest.mark.parametrize("reads,separate", [(1, False), (3, False), (1, True)])
+def test_lowers_for_cuda(reads, separate):
   """Forward and backward lower to Triton for CUDA (no GPU needed): one kernel each, however
-  many reads of the same shapes a program makes (each distinct call is lowered once)."""
+  many reads of the same shapes a program makes (each distinct call is lowered once); the
+  sources as one buffer or as separate arrays."""
   sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
 
   def loss(sources, valid, query, gain):
+    if separate:
+      sources, valid = list(sources), None
     return sum(jnp.sum(attend_pallas(sources, valid, query * (i + 1), gain, EPS).astype(
         jnp.float32)) for i in range(reads))
 
+  sources = [sd(2, 256, 2048)] * 3 if separate else sd(5, 2, 256, 2048)
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3))).trace(
-      sd(5, 2, 256, 2048), sd(5, dt=bool), sd(2048, dt=jnp.float32),
+      sources, sd(5, dt=bool), sd(2048, dt=jnp.float32),
       sd(2048, dt=jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 2
 
@@ -149,3 +156,19 @@ def test_model_reads_through_the_kernels():
   traced_layers = plan.prefix + plan.cycle * (plan.num_cycles > 0) + plan.suffix
   assert calls_k - calls_ref == 2 * traced_layers + 1
   np.testing.assert_allclose(l_k, l_ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn,kw", [(attend_pallas, {"interpret": True}), (attend_reference, {})])
+def test_separate_sources_equal_the_buffers_valid_slots(fn, kw):
+  """Sources given as separate arrays (an unrolled stack's `Slots`), only those that exist,
+  read as the buffer with the rest masked: the same h and, for each source, the same
+  gradient (to fp32 rounding: the programs differ in their number of sources)."""
+  sources, query, gain, dh = _inputs(5, 2, 16, 64, seed=11)
+  valid = jnp.asarray([1, 1, 1, 0, 0], bool)
+  buffer = _value_and_grads(fn, sources, valid, query, gain, dh, **kw)
+  slots = _value_and_grads(fn, [sources[s] for s in range(3)], None, query, gain, dh, **kw)
+  assert isinstance(slots[1], list) and len(slots[1]) == 3
+  for a, b in zip([slots[0], *slots[1], *slots[2:]], [buffer[0], *buffer[1][:3], *buffer[2:]]):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match="one or more \\[B, T, d\\] of one shape"):
+    fn([sources[0], sources[1, :, :8]], None, query, gain, EPS, **kw)

@@ -106,12 +106,15 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
     return jax.jit(jax.value_and_grad(loss))(params)
 
   base_loss, base_grad = loss_for()
-  # The unrolled stack is the same program: bit-exact. Remat recomputes the forward in a
-  # differently fused program: fp32 rounding differences only, 9e-6 relative per gradient
-  # leaf at most (measured), below 1e-4 (a wrong recomputation is O(1)).
+  # The unrolled stack reads only the AttnRes sources that exist (`attn_res.Slots`), the
+  # scanned one its whole buffer with the rest masked: sums over fewer terms, 3.7e-6
+  # relative per gradient leaf at most (measured; without AttnRes the two are bit-exact),
+  # below 1e-5. Remat recomputes the forward
+  # in a differently fused program: fp32 rounding differences only, 9e-6 relative per
+  # gradient leaf at most (measured), below 1e-4 (a wrong recomputation is O(1)).
   # remat_scope "layer": each scanned layer its own remat region inside the cycle's.
   # (attn_res.scan_saves "partial" without remat runs the same custom VJP as with it)
-  for changes, tol in (({"scan_layers": False}, 0.0), ({"remat": "full"}, 1e-4),
+  for changes, tol in (({"scan_layers": False}, 1e-5), ({"remat": "full"}, 1e-4),
                        ({"remat": "dots"}, 1e-4), ({"remat": "kernels"}, 1e-4),
                        ({"remat": "full", "remat_scope": "layer"}, 1e-4),
                        ({"remat": "full", "remat_save": ",".join(SAVEABLE)}, 1e-4),

@@ -1,11 +1,14 @@
 """Block Attention Residuals (K3_SPEC 3): each sublayer reads softmax attention over earlier
 block outputs, h = sum_i alpha_i v_i, alpha = softmax(w . (RMSNorm(v_i) * g)), in fp32.
 
-`BlockState` is a fixed buffer [S, B, T, d] a scan can carry (embedding, completed blocks,
-partial)."""
+Two forms of the sources: `BlockState`, a fixed buffer [S, B, T, d] a scan can carry
+(embedding, completed blocks, partial; traced counts), and `Slots`, each source its own
+[B, T, d] with static counts, for a stack unrolled in Python: a read takes only the sources
+that exist and a write adds into the partial alone, no buffer to update or copy."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -32,16 +35,20 @@ class AttnResQuery(nnx.Module):
     self.key_gain = param(rngs, ones, (dim,), ("embed",), param_dtype)
     self.eps, self.backend = eps, backend
 
-  def __call__(self, sources: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+  def __call__(self, sources, valid: jax.Array | None = None) -> jax.Array:
     return attend(sources, valid, self.query[...], self.key_gain[...], self.eps,
                   backend=self.backend)
 
 
-def attend(sources: jax.Array, valid: jax.Array | None, query: jax.Array,
+def attend(sources, valid: jax.Array | None, query: jax.Array,
            key_gain: jax.Array, eps: float, backend: str = "reference") -> jax.Array:
-  """Direct read: sources [S, B, T, d], valid [S], query, key_gain [d] -> h [B, T, d]."""
+  """Direct read: sources [S, B, T, d] or S arrays [B, T, d], valid [S] or None, query,
+  key_gain [d] -> h [B, T, d]."""
   spec = axes.logical_to_spec(SBTE)
-  sources = constrain(sources, SBTE)
+  if isinstance(sources, (tuple, list)):
+    sources = tuple(constrain(x, BTE) for x in sources)
+  else:
+    sources = constrain(sources, SBTE)
   h = attn_res_ops.attend(sources, valid, query, key_gain, eps, backend=backend,
                           mesh=axes.current_mesh(), batch_axis=spec[1], seq_axis=spec[2])
   return constrain(h, BTE)
@@ -75,14 +82,41 @@ def valid_sources(state: BlockState) -> jax.Array:
   return (idx <= state.num_done) | ((idx == state.num_done + 1) & (state.in_block > 0))
 
 
-def read(state: BlockState, query: AttnResQuery) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+  """The sources as separate arrays, counts static (a stack unrolled in Python)."""
+  blocks: tuple[jax.Array, ...]   # the embedding and the completed blocks, [B, T, d] each
+  partial: jax.Array | None       # the running partial sum, None while empty
+  in_block: int = dataclasses.field(metadata=dict(static=True))  # sublayers in the partial
+
+  @property
+  def sources(self) -> tuple[jax.Array, ...]:
+    return self.blocks + (() if self.partial is None else (self.partial,))
+
+
+def init_slots(embedding: jax.Array) -> Slots:
+  """The embedding [B, T, d] as the only source."""
+  return Slots((embedding,), None, 0)
+
+
+def read(state: BlockState | Slots, query: AttnResQuery) -> jax.Array:
   """The next sublayer's input h [B, T, d] (the partial sum only once non-empty)."""
+  if isinstance(state, Slots):
+    return query(state.sources)
   return query(state.sources, valid_sources(state))
 
 
-def write(state: BlockState, out: jax.Array, block_sublayers: int) -> BlockState:
+def write(state: BlockState | Slots, out: jax.Array, block_sublayers: int
+          ) -> BlockState | Slots:
   """Add a sublayer's output [B, T, d] to the partial sum; a block closes after
-  `block_sublayers`. Size the buffer with `num_slots_for`: traced indices are unchecked."""
+  `block_sublayers`. Size a BlockState with `num_slots_for`: traced indices are unchecked."""
+  if isinstance(state, Slots):
+    out = out.astype(state.blocks[0].dtype)
+    partial = out if state.partial is None else state.partial + out
+    if state.in_block + 1 >= block_sublayers:
+      return Slots(state.blocks + (constrain(partial, BTE),), None, 0)
+    return Slots(state.blocks, constrain(partial, BTE), state.in_block + 1)
   slot = state.num_done + 1
   partial = jax.lax.dynamic_index_in_dim(state.sources, slot, axis=0, keepdims=False)
   partial = jnp.where(state.in_block > 0, partial, jnp.zeros_like(partial))

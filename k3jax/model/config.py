@@ -39,7 +39,7 @@ def model_config() -> ml_collections.ConfigDict:
   m.remat = "full"       # one of REMAT_POLICIES, applied per scanned cycle
   m.remat_save = ""      # names kept on top of `remat` ("kda_proj,glu_proj"): remat.SAVEABLE
   m.remat_scope = "cycle"  # "cycle": one remat region per cycle; "layer": also per layer
-  m.scan_layers = True
+  m.scan_layers = True   # False: the cycles unrolled in Python (AttnRes reads `Slots`)
   m.kda = _kda()
   m.mla = _mla()
   f = m.ffn = ml_collections.ConfigDict()

@@ -222,7 +222,10 @@ class K3Model(nnx.Module):
       else:
         x = self.embed_with_images(tokens, media)
     with jax.named_scope("attn_res"):
-      stream = attn_res.init_state(x, self.num_slots) if self.use_attn_res else x
+      stream = x
+      if self.use_attn_res:   # unrolled: each source its own array, counts static
+        stream = (attn_res.init_state(x, self.num_slots) if self.scan_layers
+                  else attn_res.init_slots(x))
 
     def run_layer(layer, stream):
       return self._remat(lambda s: layer(s, segment_ids, valid))(stream)
@@ -237,11 +240,16 @@ class K3Model(nnx.Module):
       def body(stream, cycle_state):
         return nnx.merge(graphdef, cycle_state)(stream, segment_ids, valid)
 
-      if self.scan_layers and self.use_attn_res and self.scan_saves == "partial":
+      if not self.scan_layers:
+        auxes = []
+        for c in range(self.plan.num_cycles):
+          stream, a = self._remat(body)(stream, jax.tree.map(lambda x, c=c: x[c], state))
+          auxes.append(a)
+        aux["cycles"] = jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)
+      elif self.use_attn_res and self.scan_saves == "partial":
         stream, aux["cycles"] = attn_res.scan(self._remat(body), stream, state)
       else:
-        unroll = 1 if self.scan_layers else self.plan.num_cycles
-        stream, aux["cycles"] = jax.lax.scan(self._remat(body), stream, state, unroll=unroll)
+        stream, aux["cycles"] = jax.lax.scan(self._remat(body), stream, state)
     for layer in self.suffix:
       stream, a = run_layer(layer, stream)
       aux["suffix"].append(a)
