@@ -28,8 +28,10 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernels_match_the_reference_on_gpu(dtype):
+@pytest.mark.parametrize("dtype,separate", [(jnp.float32, False), (jnp.bfloat16, False),
+                                            (jnp.float32, True), (jnp.bfloat16, True)])
+def test_kernels_match_the_reference_on_gpu(dtype, separate):
+  """The sources as one buffer (the last slot masked) or as four separate arrays."""
   rng = np.random.default_rng(0)
   S, B, T, d = 5, 2, 1024, 2048
   sources = jnp.asarray(2 * rng.standard_normal((S, B, T, d)), dtype)
@@ -37,16 +39,19 @@ def test_kernels_match_the_reference_on_gpu(dtype):
   query = jnp.asarray(0.1 * rng.standard_normal(d), jnp.float32)
   gain = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32)
   valid = jnp.asarray([1, 1, 1, 1, 0], bool)
+  if separate:
+    sources, valid = [sources[s] for s in range(S - 1)], None
   assert "pallas_call" in str(jax.make_jaxpr(
       lambda s: attend(s, valid, query, gain, 1e-5, backend="auto"))(sources))
-  got = _value_and_grads(attend_pallas, sources, valid, query, gain, dh)
+  got = jax.tree.leaves(_value_and_grads(attend_pallas, sources, valid, query, gain, dh))
   if dtype == jnp.float32:
-    want = _value_and_grads(attend_reference, sources, valid, query, gain, dh)
-    for a, b in zip(got, want):
+    want = jax.tree.leaves(_value_and_grads(attend_reference, sources, valid, query, gain, dh))
+    for a, b in zip(got, want, strict=True):
       assert _rel(a, b) < 1e-5
     return
-  exact = _value_and_grads(attend_reference, sources.astype(jnp.float32), valid, query, gain,
-                           dh.astype(jnp.float32))
-  ref = _value_and_grads(attend_reference, sources, valid, query, gain, dh)
-  for a, b, e in zip(got, ref, exact):
+  exact = jax.tree.leaves(_value_and_grads(
+      attend_reference, jax.tree.map(lambda s: s.astype(jnp.float32), sources), valid, query,
+      gain, dh.astype(jnp.float32)))
+  ref = jax.tree.leaves(_value_and_grads(attend_reference, sources, valid, query, gain, dh))
+  for a, b, e in zip(got, ref, exact, strict=True):
     assert _rel(a, e) <= 1.5 * _rel(b, e) + 1e-6
