@@ -40,8 +40,9 @@ def train_config() -> ml_collections.ConfigDict:
   t.seq_len = 4_096
   t.global_batch = 1_024
   t.microbatches = 1     # gradient accumulation: sequential slices of the global batch
-  t.cast_params_once = False  # True: cast (and MXFP4-quantize) routed experts once per
-                              # step, not per microbatch; same gradients
+  t.cast_params_once = False  # True: cast the matrices to the compute dtype (and MXFP4-
+                              # quantize routed experts) once per step, not in every
+                              # microbatch's forward and recompute; same gradients
   t.loss_chunk = 0       # > 0: LM head + loss over this many positions at a time, each
                          # chunk's gradients taken with its logits (divides seq_len); 0: all
                          # at once

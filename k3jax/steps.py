@@ -48,8 +48,8 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
   def loss_fn(params, rest, batch, denominator=None, tokens=None):
     """(LM + balancing loss, (LM loss, balancing loss, aux)); None denominators: this batch's."""
     model = nnx.merge(graphdef, params, rest)
-    if views is not None:
-      model.set_attributes(weights_prepared=True)
+    if views is not None:   # modules that prepare weights themselves (MXFP4) skip it
+      model.set_attributes(weights_prepared=True, raise_if_not_found=False)
     media = batch_media(batch)
     h, aux = model.hidden(batch["inputs"], batch["segment_ids"], media)
     with jax.named_scope("lm_head_loss"):

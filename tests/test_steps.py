@@ -168,13 +168,16 @@ def test_microbatches_must_split_the_batch_over_devices():
 
 
 def test_cast_params_once_without_routed_experts_is_the_same_step():
-  """A model of dense FFNs alone has nothing to cast once (no views): train.cast_params_once
-  steps as without it (it failed: no module to mark prepared)."""
-  def step(cast_once):
+  """A model of dense FFNs alone: train.cast_params_once casts its matrices once (bf16
+  compute) or has nothing to cast (fp32), with no module to mark prepared (it failed), and
+  steps bitwise as without it."""
+  def step(cast_once, dtype):
     cfg = micro_config()
     cfg.model.num_layers, cfg.model.mla_every, cfg.model.dense_layers = 3, 3, 3
+    cfg.model.dtype = dtype
     cfg.optimizer.name = "adamw"
     cfg.train.cast_params_once = cast_once
+    cfg.train.xla_options = "xla_allow_excess_precision=false"   # as below
     k3config.validate(cfg)
     prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
     batch = jax.device_put(_batch(cfg), prog.batch_shardings)
@@ -182,20 +185,22 @@ def test_cast_params_once_without_routed_experts_is_the_same_step():
       *state, out = prog.train_step(*prog.init(), batch)
     return jax.device_get((state, out))
 
-  (state, out), (ref_state, ref_out) = step(True), step(False)
-  np.testing.assert_array_equal(out["loss"], ref_out["loss"])
-  np.testing.assert_array_equal(out["grad_norm"], ref_out["grad_norm"])
-  for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
-    np.testing.assert_array_equal(x, y)
+  for dtype in ("float32", "bfloat16"):
+    (state, out), (ref_state, ref_out) = step(True, dtype), step(False, dtype)
+    np.testing.assert_array_equal(out["loss"], ref_out["loss"])
+    np.testing.assert_array_equal(out["grad_norm"], ref_out["grad_norm"])
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
+      np.testing.assert_array_equal(x, y)
 
 
 def test_cast_params_once_gives_the_same_step():
-  """train.cast_params_once (the routed expert matrices MXFP4-quantized and cast to bf16 once
-  per step, before the microbatches): bitwise the same loss, gradient norm and updated state
-  as the model's own quantization and cast in every microbatch's forward and remat recompute
-  (moe.expert_quant="mxfp4", bf16 compute, 2 microbatches, full remat); only the expert
-  matrices get a view. (Without xla_allow_excess_precision=false the gradient norm differs
-  in the 6th digit on CPU.)"""
+  """train.cast_params_once (the routed expert matrices MXFP4-quantized and cast to bf16, the
+  other matrices cast, once per step, before the microbatches): bitwise the same loss,
+  gradient norm and updated state as the model's own quantization and casts in every
+  microbatch's forward and remat recompute (moe.expert_quant="mxfp4", bf16 compute, 2
+  microbatches, full remat); the expert matrices get the quantizing view, every other
+  Dense kernel but the fp32 router a bf16 cast, norms and biases none. (Without
+  xla_allow_excess_precision=false the gradient norm differs in the 6th digit on CPU.)"""
   from k3jax.model.layers import ComputeView, compute_views  # noqa: PLC0415
 
   def step(cast_once):
@@ -224,10 +229,13 @@ def test_cast_params_once_gives_the_same_step():
   (ref_state, ref_out), _, ref_text = step(False)
   quantizes = lambda program: program.count("shift_right_logical")  # noqa: E731
   assert 0 < quantizes(text) < quantizes(ref_text)   # once a step, not in every forward
-  views = {jax.tree_util.keystr(p): v for p, v in
-           jax.tree.leaves_with_path(compute_views(prog.abstract_params)) if v}
-  assert views and set(views.values()) == {ComputeView("bfloat16", "mxfp4")}
-  assert all(name.endswith(("['w_g']", "['w_u']", "['w_d']")) for name in views)  # LatentMoE's
+  every = {jax.tree_util.keystr(p): v for p, v in
+           jax.tree.leaves_with_path(compute_views(prog.abstract_params))}
+  experts = {n for n in every if n.endswith(("['w_g']", "['w_u']", "['w_d']"))}
+  dense = {n for n in every if n.endswith("['kernel']") and "['router']" not in n}
+  assert experts and {every[n] for n in experts} == {ComputeView("bfloat16", "mxfp4")}
+  assert dense and {every[n] for n in dense} == {ComputeView("bfloat16", "")}
+  assert {n for n, v in every.items() if v} == experts | dense
   for k in ref_out:
     np.testing.assert_array_equal(out[k], ref_out[k], err_msg=k)
   for (path, x), y in zip(jax.tree.leaves_with_path(state), jax.tree.leaves(ref_state),

@@ -111,7 +111,7 @@ class Dense(nnx.Module):
       roles = [r if i < n_in or axes[i] != "heads" else "head" for i, r in enumerate(roles)]
       muon = "matrix"
     self.kernel = param(rngs, normal(std), self.in_shape + self.out_shape, axes, param_dtype,
-                        muon=muon, muon_roles=roles if muon else None)
+                        muon=muon, muon_roles=roles if muon else None, compute_dtype=dtype)
     self.dtype = dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
