@@ -135,7 +135,8 @@ def build(cfg, mesh: Mesh) -> Program:
   train_step, eval_step = make_steps(
       graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau, microbatches=t.microbatches,
       loss_chunk=t.loss_chunk,
-      views=compute_views(abs_params) if t.cast_params_once else None)
+      views=compute_views(abs_params) if t.cast_params_once else None,
+      stacks=abstract.unrolled_stacks(abs_params))
   options = compiler_options(t.xla_options, mesh, deterministic=t.deterministic)
   return Program(
       cfg=cfg, mesh=mesh, graphdef=graphdef, tx=tx,

@@ -38,13 +38,26 @@ def apply_views(params, views):
   return jax.tree.map(lambda p, view: view(p), params, views)
 
 
+def unstack(params, stacks):
+  """Each leaf with stacks[leaf] = n > 0 as the tuple of its n leading slices."""
+  return jax.tree.map(lambda n, p: tuple(p[i] for i in range(n)) if n else p, stacks, params)
+
+
+def restack(params, stacks):
+  """`unstack`'s inverse."""
+  return jax.tree.map(lambda n, p: jnp.stack(p) if n else p, stacks, params)
+
+
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
-               microbatches: int = 1, loss_chunk: int = 0, views: Any = None):
+               microbatches: int = 1, loss_chunk: int = 0, views: Any = None,
+               stacks: Any = None):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
   Microbatches run under `jax.lax.scan` and sum to the batch's update. After the update:
   the balancing bias update and QK-Clip. out["loss"] is the LM loss (plus
   out["moe_aux_loss"] in the gradient). A non-finite step changes nothing, out["skipped"]
-  = 1. views (`train.cast_params_once`): applied once per step, same gradients."""
+  = 1. views (`train.cast_params_once`): applied once per step, same gradients. stacks
+  (`K3Model.unrolled_stacks`): the layers a model unrolled in Python slices out of stacked
+  leaves, sliced once per step, not in every microbatch; same gradients."""
   def loss_fn(params, rest, batch, denominator=None, tokens=None):
     """(LM + balancing loss, (LM loss, balancing loss, aux)); None denominators: this batch's."""
     model = nnx.merge(graphdef, params, rest)
@@ -62,10 +75,16 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
 
   def loss_and_grads(params, rest, batch):
     """(LM loss, balancing loss, aux, grads) of the batch, by microbatches."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     computed = params if views is None else apply_views(params, views)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if stacks is not None:
+      # the model's slices of the re-stacked leaves simplify to these slices, inside the loop
+      computed = unstack(computed, stacks)
+      grad_fn = jax.value_and_grad(lambda p, *a: loss_fn(restack(p, stacks), *a), has_aux=True)
 
     def in_param_dtypes(grads):  # a cast's transpose: what the model's own cast would pass
+      if stacks is not None:
+        grads = restack(grads, stacks)
       return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
     if microbatches == 1:

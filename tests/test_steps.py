@@ -239,3 +239,39 @@ def test_cast_params_once_gives_the_same_step():
   for (path, x), y in zip(jax.tree.leaves_with_path(state), jax.tree.leaves(ref_state),
                           strict=True):
     np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+
+def test_unrolled_cycles_sliced_once_a_step_give_the_same_step():
+  """scan_layers=False: the cycles' stacked leaves sliced once a step (`stacks`, as
+  program.build passes them) or by the model in every microbatch's forward: bitwise the same
+  loss, gradient norm and updated state, and the compiled step slices the stacks fewer
+  times."""
+  from flax import nnx  # noqa: PLC0415
+
+  from k3jax.model import K3Model  # noqa: PLC0415
+  from k3jax.steps import make_steps  # noqa: PLC0415
+
+  cfg = micro_config()
+  # two [KDA, MLA] cycles and the final MLA
+  cfg.model.num_layers, cfg.model.mla_every, cfg.model.dense_layers = 5, 2, 0
+  cfg.model.scan_layers = False
+  cfg.optimizer.name = "adamw"
+  cfg.train.global_batch, cfg.train.microbatches = 4, 2
+  k3config.validate(cfg)
+  prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:1]))
+  stacks = nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0))).unrolled_stacks(
+      prog.abstract_params)
+  assert sorted(set(jax.tree.leaves(stacks))) == [0, 2]   # two cycles; the rest unstacked
+  batch = _batch(cfg)
+  state = prog.init()
+
+  def run(stacks):
+    step = jax.jit(make_steps(prog.graphdef, prog.tx, microbatches=2, stacks=stacks)[0])
+    compiled = step.lower(*state, batch).compile()
+    return jax.device_get(compiled(*state, batch)), compiled.as_text().count(" slice(")
+
+  (got, slices), (want, ref_slices) = run(stacks), run(None)
+  assert slices < ref_slices, (slices, ref_slices)
+  for (path, x), y in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))

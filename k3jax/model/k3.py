@@ -258,6 +258,17 @@ class K3Model(nnx.Module):
       h = attn_res.read(stream, self.out_query) if self.use_attn_res else stream
     return constrain(self.final_norm(h), ("batch", "seq", "embed")), aux
 
+  def unrolled_stacks(self, params):
+    """Per leaf of `params` (`nnx.state(self, nnx.Param)`, Variables or values): the number
+    of layers `hidden` slices one at a time out of its leading axis (the cycles, unrolled),
+    else 0; None when it slices none (scanned, or no cycles)."""
+    if self.scan_layers or self.cycles is None:
+      return None
+    n = self.plan.num_cycles
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: n if getattr(path[0], "key", None) == "cycles" else 0, params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
   def embed_images(self, media: PackedMedia) -> jax.Array:
     """Vision features [max_patches // merge**2, d] of packed media."""
     if self.vision is None:
