@@ -39,13 +39,43 @@ def apply_views(params, views):
 
 
 def unstack(params, stacks):
-  """Each leaf with stacks[leaf] = n > 0 as the tuple of its n leading slices."""
+  """Each leaf with stacks[leaf] = n > 0 as the tuple of its n leading slices (None: none)."""
+  if stacks is None:
+    return params
   return jax.tree.map(lambda n, p: tuple(p[i] for i in range(n)) if n else p, stacks, params)
 
 
 def restack(params, stacks):
   """`unstack`'s inverse."""
+  if stacks is None:
+    return params
   return jax.tree.map(lambda n, p: jnp.stack(p) if n else p, stacks, params)
+
+
+def _loss_and_grads(loss_fn, params, rest, batch, microbatches: int, views, stacks):
+  """(LM loss, balancing loss, aux, grads) of the batch by `make_steps`'s loss_fn, by
+  microbatches; views and stacks: `make_steps`'s."""
+  # cast and sliced once: the model's casts and its slices of the re-stacked leaves fold
+  computed = unstack(params if views is None else apply_views(params, views), stacks)
+  grad_fn = jax.value_and_grad(lambda p, *a: loss_fn(restack(p, stacks), *a), has_aux=True)
+
+  def in_param_dtypes(grads):  # a cast's transpose: what the model's own cast would pass
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), restack(grads, stacks), params)
+
+  if microbatches == 1:
+    (_, (loss, balance, aux)), grads = grad_fn(computed, rest, batch)
+    return loss, balance, aux, in_param_dtypes(grads)
+  denominator = token_count(batch["weights"])
+  tokens = token_count(batch["segment_ids"] > 0)
+
+  def accumulate(grads, mb):
+    (_, parts), mb_grads = grad_fn(computed, rest, mb, denominator, tokens)
+    return jax.tree.map(jnp.add, grads, in_param_dtypes(mb_grads)), parts
+
+  grads, (losses, balances, auxes) = jax.lax.scan(
+      accumulate, jax.tree.map(jnp.zeros_like, params), split_microbatches(batch, microbatches))
+  balance = None if balances is None else jnp.sum(balances)
+  return jnp.sum(losses), balance, K3Model.reduce_aux(auxes), grads
 
 
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
@@ -73,38 +103,9 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
     balance = model.balance_loss(aux, tokens)
     return loss if balance is None else loss + balance, (loss, balance, aux)
 
-  def loss_and_grads(params, rest, batch):
-    """(LM loss, balancing loss, aux, grads) of the batch, by microbatches."""
-    computed = params if views is None else apply_views(params, views)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if stacks is not None:
-      # the model's slices of the re-stacked leaves simplify to these slices, inside the loop
-      computed = unstack(computed, stacks)
-      grad_fn = jax.value_and_grad(lambda p, *a: loss_fn(restack(p, stacks), *a), has_aux=True)
-
-    def in_param_dtypes(grads):  # a cast's transpose: what the model's own cast would pass
-      if stacks is not None:
-        grads = restack(grads, stacks)
-      return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-
-    if microbatches == 1:
-      (_, (loss, balance, aux)), grads = grad_fn(computed, rest, batch)
-      return loss, balance, aux, in_param_dtypes(grads)
-    denominator = token_count(batch["weights"])
-    tokens = token_count(batch["segment_ids"] > 0)
-
-    def accumulate(grads, mb):
-      (_, parts), mb_grads = grad_fn(computed, rest, mb, denominator, tokens)
-      return jax.tree.map(jnp.add, grads, in_param_dtypes(mb_grads)), parts
-
-    grads, (losses, balances, auxes) = jax.lax.scan(
-        accumulate, jax.tree.map(jnp.zeros_like, params),
-        split_microbatches(batch, microbatches))
-    balance = None if balances is None else jnp.sum(balances)
-    return jnp.sum(losses), balance, K3Model.reduce_aux(auxes), grads
-
   def train_step(params, rest, opt_state, batch):
-    loss, balance, aux, grads = loss_and_grads(params, rest, batch)
+    loss, balance, aux, grads = _loss_and_grads(loss_fn, params, rest, batch, microbatches,
+                                                views, stacks)
     with jax.named_scope("optimizer"):
       grad_norm = optax.tree.norm(grads)
       # one NaN/Inf anywhere poisons the norm
