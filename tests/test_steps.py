@@ -253,9 +253,9 @@ def test_unrolled_cycles_sliced_once_a_step_give_the_same_step():
   from k3jax.steps import make_steps  # noqa: PLC0415
 
   cfg = micro_config()
-  # two [KDA, MLA] cycles and the final MLA
-  cfg.model.num_layers, cfg.model.mla_every, cfg.model.dense_layers = 5, 2, 0
-  cfg.model.scan_layers = False
+  # two [KDA, MLA] cycles alone, no AttnRes: the smallest unrolled stack with stacked leaves
+  cfg.model.num_layers, cfg.model.mla_every, cfg.model.dense_layers = 4, 2, 0
+  cfg.model.final_mla, cfg.model.attn_res.enabled, cfg.model.scan_layers = False, False, False
   cfg.optimizer.name = "adamw"
   cfg.train.global_batch, cfg.train.microbatches = 4, 2
   k3config.validate(cfg)
