@@ -45,10 +45,10 @@ def attend(sources, valid: jax.Array | None, query: jax.Array,
   """Direct read: sources [S, B, T, d] or S arrays [B, T, d], valid [S] or None, query,
   key_gain [d] -> h [B, T, d]."""
   spec = axes.logical_to_spec(SBTE)
-  if isinstance(sources, (tuple, list)):
-    sources = tuple(constrain(x, BTE) for x in sources)
-  else:
+  if attn_res_ops.is_buffer(sources):
     sources = constrain(sources, SBTE)
+  else:
+    sources = tuple(constrain(x, BTE) for x in sources)
   h = attn_res_ops.attend(sources, valid, query, key_gain, eps, backend=backend,
                           mesh=axes.current_mesh(), batch_axis=spec[1], seq_axis=spec[2])
   return constrain(h, BTE)

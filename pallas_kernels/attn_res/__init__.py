@@ -13,7 +13,7 @@ from pallas_kernels.backends import check_backend
 from pallas_kernels.platform import target_platform
 from pallas_kernels.shard_types import axis_size
 
-__all__ = ["BACKENDS", "attend", "attend_pallas", "attend_reference"]
+__all__ = ["BACKENDS", "attend", "attend_pallas", "attend_reference", "is_buffer"]
 
 # "auto": "kernel" on GPU where the shapes fit the kernels, else "reference"
 BACKENDS = ("reference", "kernel", "interpret", "auto")

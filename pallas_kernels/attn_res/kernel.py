@@ -147,7 +147,7 @@ def _bwd_kernel(*refs, num, buffer, eps, block_d):
 
 def _specs(src, block_n):
   """Grid (N / BN,): ([the sources' blocks], valid, wg, a [BN, d] block, a [d] row)."""
-  S, N, d = _shape(src)
+  S, N, d = sources_shape(src)
   block = pl.BlockSpec((block_n, d), lambda i: (i, 0))
   sources = ([pl.BlockSpec((S, block_n, d), lambda i: (0, i, 0))] if is_buffer(src)
              else [block] * S)
@@ -157,19 +157,14 @@ def _specs(src, block_n):
   return sources, valid, row, block, per_block
 
 
-def _shape(src):
-  """(S, N, d) of a buffer [S, N, d] or a tuple of S [N, d]."""
-  return tuple(src.shape) if is_buffer(src) else (len(src), *src[0].shape)
+def _flat(src):
+  """The kernel's source operands: [the buffer] or the S arrays."""
+  return [src] if is_buffer(src) else list(src)
 
 
 def _kernel(fn, src, eps, block_d):
-  buffer = is_buffer(src)
-  return functools.partial(fn, num=1 if buffer else len(src), buffer=buffer, eps=eps,
+  return functools.partial(fn, num=len(_flat(src)), buffer=is_buffer(src), eps=eps,
                            block_d=block_d)
-
-
-def _flat(src):
-  return [src] if is_buffer(src) else list(src)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -181,7 +176,7 @@ def _attend(eps, blocks, interpret, src, valid, wg):
 @lowered_once(0, 1, 2)
 def _forward(eps, blocks, interpret, src, valid, wg):
   block_n, block_d, num_warps = blocks
-  _, N, d = _shape(src)
+  _, N, d = sources_shape(src)
   sources, valid_spec, row, block, _ = _specs(src, block_n)
   return triton_call(_kernel(_fwd_kernel, src, eps, block_d), *_flat(src), valid, wg,
                      grid=(N // block_n,), in_specs=[*sources, valid_spec, row],
@@ -201,7 +196,7 @@ def _attend_bwd(eps, blocks, interpret, res, dh):
 def _backward(eps, blocks, interpret, src, valid, wg, dh):
   """(d_sources like src, None for valid, d_wg)."""
   block_n, block_d, num_warps = blocks
-  _, N, d = _shape(src)
+  _, N, d = sources_shape(src)
   sources, valid_spec, row, block, per_block = _specs(src, block_n)
   flat = _flat(src)
   *dsrc, dwg = triton_call(
