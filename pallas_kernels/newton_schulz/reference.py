@@ -1,6 +1,6 @@
 """Newton-Schulz in plain JAX, the standard quintic form (K3_SPEC 5): per trailing [m, n]
 block, X = x / (||x||_F + eps) made short-wide, then `steps` times X <- a X + (b A + c A A) X
-with A = X X^T."""
+with A = X X^T, computed as (a I + b A + c A A) X."""
 
 from __future__ import annotations
 
@@ -33,10 +33,13 @@ def _standard_form(x, *, steps, coeffs, eps, dtype, precision):
   def mm(u, v):
     return jnp.matmul(u, v, precision=precision, preferred_element_type=dtype)
 
+  # a X + (b A + c A A) X as (a I + b A + c A A) X: one pass over the [m, m] polynomial, none
+  # over X between the matmuls
+  eye = jnp.eye(x.shape[-2], dtype=dtype)
   for _ in range(steps):
     gram = mm(x, jnp.swapaxes(x, -1, -2))
-    poly = b * gram + c * mm(gram, gram)
-    x = a * x + mm(poly, x)
+    poly = c * mm(gram, gram) + (b * gram + a * eye)
+    x = mm(poly, x)
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
   return x.astype(out_dtype)
