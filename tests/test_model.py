@@ -148,6 +148,28 @@ def test_kernels_remat_saves_the_kernels_outputs():
   np.testing.assert_allclose(grads["kernels"](q), grads["none"](q), rtol=1e-6)
 
 
+def test_kernels_remat_saves_flash_attention_computed_inside_a_custom_vjp():
+  """remat "kernels" on JAX's Triton `mha` (interpreted), whose forward rule computes its
+  residuals through a nested custom VJP: the forward kernel runs once, as without remat
+  ("full" runs it twice); same gradient."""
+  from k3jax.model.remat import POLICIES as REMAT  # noqa: PLC0415
+  from pallas_kernels.attention.flash import flash_gpu  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32)
+  ids = jnp.ones((1, 32), jnp.int32)
+
+  def loss(q):
+    return jnp.sum(flash_gpu(q, k, v, ids, scale=0.25, causal=True, interpret=True) ** 2)
+
+  grads = {name: jax.grad(jax.checkpoint(loss, policy=REMAT[name]) if REMAT[name] else loss)
+           for name in ("none", "full", "kernels")}
+  forwards = {name: str(jax.make_jaxpr(f)(q)).count("name=mha_forward")
+              for name, f in grads.items()}
+  assert forwards == {"none": 1, "full": 2, "kernels": 1}, forwards
+  np.testing.assert_allclose(grads["kernels"](q), grads["none"](q), rtol=1e-6)
+
+
 @pytest.mark.parametrize("save,fewer", [
     ("kda_proj", {"matmuls": 4 * 3}), ("glu_proj", {"matmuls": 2 * 2 * 5}),
     ("moe_latent", {"matmuls": 5}), ("mla_proj", {"matmuls": 3 * 2}),

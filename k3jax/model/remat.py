@@ -10,10 +10,26 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 
-def _kernel_outputs(prim, *_, **__):
+def _runs_pallas(params: dict) -> bool:
+  """Whether a primitive's inner jaxprs (in `params`) call a Pallas kernel."""
+  def jaxprs(value):
+    if isinstance(value, (list, tuple)):
+      for v in value:
+        yield from jaxprs(v)
+    elif hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns"):
+      yield getattr(value, "jaxpr", value)
+  return any(eqn.primitive.name == "pallas_call" or _runs_pallas(eqn.params)
+             for v in params.values() for jaxpr in jaxprs(v) for eqn in jaxpr.eqns)
+
+
+def _kernel_outputs(prim, *_, **params):
   """Saves what the Pallas kernels compute (KDA's chunk values, states and outputs, the
-  grouped expert matmuls); the rest (projections, norms, AttnRes) is recomputed."""
-  return prim.name == "pallas_call"
+  grouped expert matmuls, flash attention); the rest (projections, norms) is recomputed.
+  A custom VJP called inside another's forward rule stays one opaque primitive (JAX's
+  Triton `mha` computes its residuals so): saved when a Pallas kernel runs inside it."""
+  if prim.name == "pallas_call":
+    return True
+  return prim.name.startswith("custom_vjp_call") and _runs_pallas(params)
 
 
 POLICIES = {
