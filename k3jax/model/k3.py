@@ -89,14 +89,14 @@ class Layer(nnx.Module):
     h = self._read(stream, self.mixer_query if self.attn_res else None)
     with jax.named_scope("mla" if self.is_mla else "kda"):
       out, aux = self.mixer(self.mixer_norm(h), segment_ids)
-    stream = self._write(stream, out)
+    stream = self._write(stream, remat.keep("layer_out", out))
     h = self._read(stream, self.ffn_query if self.attn_res else None)
     with jax.named_scope("moe" if self.is_moe else "ffn"):
       if self.is_moe:
         out, aux["moe"] = self.ffn(self.ffn_norm(h), valid)
       else:
         out = self.ffn(self.ffn_norm(h))
-    return self._write(stream, out), aux
+    return self._write(stream, remat.keep("layer_out", out)), aux
 
   def step(self, stream, cache: dict, pos: jax.Array):
     """One decoding token a row at pos [B] -> (stream, entry for `write_cache`)."""
