@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jax_core
 
 
 def _runs_pallas(params: dict) -> bool:
   """Whether a primitive's inner jaxprs (in `params`) call a Pallas kernel."""
-  def jaxprs(value):
-    if isinstance(value, (list, tuple)):
-      for v in value:
-        yield from jaxprs(v)
-    elif hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns"):
-      yield getattr(value, "jaxpr", value)
   return any(eqn.primitive.name == "pallas_call" or _runs_pallas(eqn.params)
-             for v in params.values() for jaxpr in jaxprs(v) for eqn in jaxpr.eqns)
+             for jaxpr in jax_core.jaxprs_in_params(params) for eqn in jaxpr.eqns)
 
 
 def _kernel_outputs(prim, *_, **params):
