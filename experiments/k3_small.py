@@ -36,6 +36,12 @@ _LONG_VARIANTS = {
 _LONG_VARIANTS["1m"] = {**_LONG_VARIANTS["128k"], "train.seq_len": 1_048_576,
                         "mesh.context": 8}
 VARIANTS = (None, "", "multimodal", *_LONG_VARIANTS)
+# The text step: layers unrolled; remat keeps the kernels' outputs and the named values
+# (`model.remat_save`): a faster step for more memory (benchmarks/results/train_step.md).
+# The other variants' memory was fitted with scanned cycles under full remat.
+_TEXT_STEP = {"model.scan_layers": False, "model.remat": "kernels",
+              "model.remat_save": "kda_proj,kda_inputs,glu_proj,moe_latent,mla_proj,"
+                                  "moe_experts,layer_out"}
 
 
 def get_config(arg: str | None = None):
@@ -81,6 +87,8 @@ def get_config(arg: str | None = None):
   # Pieces read in 8 processes (of the H200 host's 16 cores) ahead of packing; the
   # batches are those of worker_count=0.
   c.data.worker_count = 8
+  if arg in (None, ""):
+    c.update_from_flattened_dict(_TEXT_STEP)
   if arg == "multimodal":
     v.enabled, v.max_media = True, 8
     c.data.images.source, c.data.images.weight = "generated", 1.0

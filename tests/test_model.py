@@ -118,6 +118,8 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
                        ({"remat": "dots"}, 1e-4), ({"remat": "kernels"}, 1e-4),
                        ({"remat": "full", "remat_scope": "layer"}, 1e-4),
                        ({"remat": "full", "remat_save": ",".join(SAVEABLE)}, 1e-4),
+                       ({"scan_layers": False, "remat": "kernels",   # k3_small's
+                         "remat_save": ",".join(SAVEABLE)}, 1e-4),
                        ({"remat": "full", "remat_scope": "layer", "remat_save": "kda_proj"},
                         1e-4),
                        ({"attn_res.scan_saves": "partial", "remat": "full"}, 1e-4)):
@@ -168,6 +170,33 @@ def test_kernels_remat_saves_flash_attention_computed_inside_a_custom_vjp():
               for name, f in grads.items()}
   assert forwards == {"none": 1, "full": 2, "kernels": 1}, forwards
   np.testing.assert_allclose(grads["kernels"](q), grads["none"](q), rtol=1e-6)
+
+
+def test_kernels_remat_saves_cudnn_flash_attention(monkeypatch):
+  """remat "kernels" on MLA's GPU attention (`flash_cuda`: cuDNN unpacked, cuDNN packed or
+  Triton, switched per batch): no branch's forward kernel runs again in the recompute, as
+  without remat ("full" runs each twice). Counted in the gradient's jaxpr; cuDNN's version
+  and GPU checks are bypassed, since tracing needs neither."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
+  import pallas_kernels.attention as attention  # noqa: PLC0415
+  from k3jax.model.remat import POLICIES as REMAT  # noqa: PLC0415
+  monkeypatch.setattr(cudnn, "check_cudnn_version", lambda *a, **k: None)
+  monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a, **k: True)
+  monkeypatch.setattr(attention, "cudnn_ready", lambda: True)
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  ids = jnp.ones((1, 64), jnp.int32)
+
+  def loss(q):
+    out = attention.flash_cuda(q, q, q, ids, scale=0.125, causal=True)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  def forwards(name):
+    f = jax.grad(jax.checkpoint(loss, policy=REMAT[name]) if REMAT[name] else loss)
+    text = str(jax.make_jaxpr(f)(q))
+    return text.count("dot_product_attention_fwd_wrapper"), text.count("name=mha_forward")
+
+  assert {name: forwards(name) for name in ("none", "full", "kernels")} == {
+      "none": (2, 1), "full": (4, 2), "kernels": (2, 1)}
 
 
 @pytest.mark.parametrize("save,fewer", [

@@ -11,20 +11,24 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jax_core
 
 
-def _runs_pallas(params: dict) -> bool:
-  """Whether a primitive's inner jaxprs (in `params`) call a Pallas kernel."""
-  return any(eqn.primitive.name == "pallas_call" or _runs_pallas(eqn.params)
+# the kernels' primitives: Pallas, and cuDNN's flash attention forward (MLA on Hopper)
+KERNEL_PRIMITIVES = ("pallas_call", "dot_product_attention_fwd_wrapper")
+
+
+def _runs_kernel(params: dict) -> bool:
+  """Whether a primitive's inner jaxprs (in `params`) run a kernel."""
+  return any(eqn.primitive.name in KERNEL_PRIMITIVES or _runs_kernel(eqn.params)
              for jaxpr in jax_core.jaxprs_in_params(params) for eqn in jaxpr.eqns)
 
 
 def _kernel_outputs(prim, *_, **params):
-  """Saves what the Pallas kernels compute (KDA's chunk values, states and outputs, the
-  grouped expert matmuls, flash attention); the rest (projections, norms) is recomputed.
-  A custom VJP called inside another's forward rule stays one opaque primitive (JAX's
-  Triton `mha` computes its residuals so): saved when a Pallas kernel runs inside it."""
-  if prim.name == "pallas_call":
+  """Saves what the kernels compute (KDA's chunk values, states and outputs, the grouped
+  expert matmuls, flash attention); the rest (projections, norms) is recomputed. A custom
+  VJP called inside another's forward rule stays one opaque primitive (JAX's Triton `mha`
+  computes its residuals so): saved when a kernel runs inside it."""
+  if prim.name in KERNEL_PRIMITIVES:
     return True
-  return prim.name.startswith("custom_vjp_call") and _runs_pallas(params)
+  return prim.name.startswith("custom_vjp_call") and _runs_kernel(params)
 
 
 POLICIES = {
