@@ -8,6 +8,7 @@ RMS). conftest.py selects the CPU unless told otherwise:
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,35 @@ def test_deterministic_programs_take_triton_alone():
   want = jax.jit(jax.value_and_grad(triton_loss, argnums=(0, 1, 2)))(q, k, v)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@needs_cudnn
+def test_kernels_remat_keeps_the_cudnn_forward():
+  """remat "kernels" (`k3jax.model.remat`) around `flash_cuda`: the compiled gradient calls
+  cuDNN's forward as often as without remat ("full" calls it more: it runs again for the
+  backward), and its gradients are those without remat, within cuDNN's backward's run-to-run
+  spread (a wrong residual would be O(1))."""
+  from k3jax.model.remat import POLICIES  # noqa: PLC0415
+  q, k, v = inputs()
+  ids = unique_padding_ids(single_documents())
+
+  def loss(q, k, v):
+    out = flash_cuda(q, k, v, ids, scale=DQK ** -0.5, causal=True)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  def compiled(name):
+    f = jax.checkpoint(loss, policy=POLICIES[name]) if POLICIES[name] else loss
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, k, v).compile()
+
+  def forwards(program):
+    targets = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', program.as_text())
+    return sum("Backward" not in t for t in targets)
+
+  programs = {name: compiled(name) for name in ("none", "full", "kernels")}
+  counts = {name: forwards(p) for name, p in programs.items()}
+  assert counts["kernels"] == counts["none"] < counts["full"], counts
+  for a, b in zip(programs["kernels"](q, k, v), programs["none"](q, k, v)):
+    assert rel_rms(a, b) < BF16_RMS
 
 
 @pytest.mark.parametrize("shared", [True, False])
