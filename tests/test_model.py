@@ -130,10 +130,21 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
       assert err <= tol, (changes, path, err)
 
 
+def _remat_grads(loss):
+  """loss's gradient under remat "none", "full" and "kernels": {policy: function}."""
+  from k3jax.model.remat import POLICIES  # noqa: PLC0415
+  return {name: jax.grad(jax.checkpoint(loss, policy=POLICIES[name]) if POLICIES[name] else loss)
+          for name in ("none", "full", "kernels")}
+
+
+def _jaxpr_counts(grads, x, marker):
+  """{policy: how often marker appears in its gradient's jaxpr at x}."""
+  return {name: str(jax.make_jaxpr(f)(x)).count(marker) for name, f in grads.items()}
+
+
 def test_kernels_remat_saves_the_kernels_outputs():
   """remat "kernels": the gradient of a rematerialized KDA (its Pallas kernels interpreted)
   launches the kernels of no remat, not the forward's again as "full" does; same values."""
-  from k3jax.model.remat import POLICIES as REMAT  # noqa: PLC0415
   from pallas_kernels import kda as kda_ops  # noqa: PLC0415
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(3))
@@ -143,9 +154,8 @@ def test_kernels_remat_saves_the_kernels_outputs():
   def loss(q):
     return jnp.sum(kda_ops.kda(2 * q, k, v, g, beta, backend="interpret", chunk_size=16) ** 2)
 
-  grads = {name: jax.grad(jax.checkpoint(loss, policy=REMAT[name]) if REMAT[name] else loss)
-           for name in ("none", "full", "kernels")}
-  kernels = {name: str(jax.make_jaxpr(f)(q)).count("pallas_call") for name, f in grads.items()}
+  grads = _remat_grads(loss)
+  kernels = _jaxpr_counts(grads, q, "pallas_call")
   assert kernels["kernels"] == kernels["none"] < kernels["full"], kernels
   np.testing.assert_allclose(grads["kernels"](q), grads["none"](q), rtol=1e-6)
 
@@ -154,7 +164,6 @@ def test_kernels_remat_saves_flash_attention_computed_inside_a_custom_vjp():
   """remat "kernels" on JAX's Triton `mha` (interpreted), whose forward rule computes its
   residuals through a nested custom VJP: the forward kernel runs once, as without remat
   ("full" runs it twice); same gradient."""
-  from k3jax.model.remat import POLICIES as REMAT  # noqa: PLC0415
   from pallas_kernels.attention.flash import flash_gpu  # noqa: PLC0415
   rng = np.random.default_rng(0)
   k, v = (jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32) for _ in range(2))
@@ -164,10 +173,8 @@ def test_kernels_remat_saves_flash_attention_computed_inside_a_custom_vjp():
   def loss(q):
     return jnp.sum(flash_gpu(q, k, v, ids, scale=0.25, causal=True, interpret=True) ** 2)
 
-  grads = {name: jax.grad(jax.checkpoint(loss, policy=REMAT[name]) if REMAT[name] else loss)
-           for name in ("none", "full", "kernels")}
-  forwards = {name: str(jax.make_jaxpr(f)(q)).count("name=mha_forward")
-              for name, f in grads.items()}
+  grads = _remat_grads(loss)
+  forwards = _jaxpr_counts(grads, q, "name=mha_forward")
   assert forwards == {"none": 1, "full": 2, "kernels": 1}, forwards
   np.testing.assert_allclose(grads["kernels"](q), grads["none"](q), rtol=1e-6)
 
@@ -179,7 +186,6 @@ def test_kernels_remat_saves_cudnn_flash_attention(monkeypatch):
   and GPU checks are bypassed, since tracing needs neither."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415
   import pallas_kernels.attention as attention  # noqa: PLC0415
-  from k3jax.model.remat import POLICIES as REMAT  # noqa: PLC0415
   monkeypatch.setattr(cudnn, "check_cudnn_version", lambda *a, **k: None)
   monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a, **k: True)
   monkeypatch.setattr(attention, "cudnn_ready", lambda: True)
@@ -190,13 +196,11 @@ def test_kernels_remat_saves_cudnn_flash_attention(monkeypatch):
     out = attention.flash_cuda(q, q, q, ids, scale=0.125, causal=True)
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
-  def forwards(name):
-    f = jax.grad(jax.checkpoint(loss, policy=REMAT[name]) if REMAT[name] else loss)
-    text = str(jax.make_jaxpr(f)(q))
-    return text.count("dot_product_attention_fwd_wrapper"), text.count("name=mha_forward")
-
-  assert {name: forwards(name) for name in ("none", "full", "kernels")} == {
-      "none": (2, 1), "full": (4, 2), "kernels": (2, 1)}
+  grads = _remat_grads(loss)
+  cudnn_forwards = _jaxpr_counts(grads, q, "dot_product_attention_fwd_wrapper")
+  triton_forwards = _jaxpr_counts(grads, q, "name=mha_forward")
+  assert cudnn_forwards == {"none": 2, "full": 4, "kernels": 2}, cudnn_forwards
+  assert triton_forwards == {"none": 1, "full": 2, "kernels": 1}, triton_forwards
 
 
 @pytest.mark.parametrize("save,fewer", [
