@@ -17,6 +17,8 @@ Reads the Perfetto copy that `jax.profiler.trace(..., create_perfetto_trace=True
   the backward (`transpose(...)`), the remat recompute (`rematted_computation`) or outside
   the gradient (update: the optimizer, the norms, keeping or skipping the step).
 - per kind (by kernel name, `KINDS`, first match), the time, share and count;
+- with the HLO: the 25 heaviest (kernel, component, phase, HLO result shape) groups, which
+  tell apart one kernel's launches for different ops;
 - the 25 heaviest kernels; and the span from the first kernel's start to the last one's
   end with the time no kernel ran (idle).
 """
@@ -115,6 +117,13 @@ class Hlo(NamedTuple):
   op_names: dict[str, str]                     # instruction -> JAX op name
   where: dict[str, tuple[str, int]]            # instruction -> (computation, schedule index)
   order: dict[str, list[tuple[str, str]]]      # computation -> [(instruction, class)]
+  shapes: dict[str, str]                       # instruction -> result ("bf16[16384,2048]")
+
+
+class Attribution(NamedTuple):
+  op_name: str          # JAX op name, "" when not found
+  how: str              # "named", "scheduled", "neighbour" or ""
+  instruction: str      # the HLO instruction, "" for "neighbour" and not found
 
 
 def custom_class(line: str) -> str:
@@ -140,7 +149,7 @@ def parse_hlo(hlo_text: str) -> Hlo:
   such as a copy XLA added, its first operand's), where each sits in its computation's
   schedule, and each computation's custom calls in schedule order."""
   names, calls, inside = {}, {}, collections.defaultdict(collections.Counter)
-  operands, where, order = {}, {}, collections.defaultdict(list)
+  operands, where, order, shapes = {}, {}, collections.defaultdict(list), {}
   computation = None
   for line in hlo_text.splitlines():
     if not line.startswith(" ") and "{" in line:
@@ -151,6 +160,9 @@ def parse_hlo(hlo_text: str) -> Hlo:
     if not inst:
       continue
     name = inst.group(1)
+    shape = re.match(r"\(?(\w+\[[\d,]*\])", line[inst.end():])   # a tuple's first element
+    if shape:
+      shapes[name] = shape.group(1)
     op_name = re.search(r'op_name="([^"]*)"', line)
     called = re.search(r"calls=%?([\w.\-]+)", line)
     if op_name:
@@ -175,7 +187,7 @@ def parse_hlo(hlo_text: str) -> Hlo:
       source = operands[source]
     if inst not in names and source in names:
       names[inst] = names[source]
-  return Hlo(names, where, dict(order))
+  return Hlo(names, where, dict(order), shapes)
 
 
 def kernel_class(name: str) -> str:
@@ -200,8 +212,8 @@ def component(op_name: str) -> tuple[str, str]:
   return found, "forward" if "jvp(" in op_name else "update"
 
 
-def attribute(kernels: list[Kernel], hlo: Hlo) -> list[tuple[str, str]]:
-  """(JAX op name or "", how it was found) of each kernel: "named" where the kernel names
+def attribute(kernels: list[Kernel], hlo: Hlo) -> list[Attribution]:
+  """Each kernel's `Attribution`: "named" where the kernel names
   its op or HLO instruction (`hlo_op`, or a fusion kernel's own name: fusion_12 is
   fusion.12); "scheduled" for a library or custom kernel inside a command buffer (a CUDA
   graph runs them and they name only the buffer): the first custom call of its kind after
@@ -239,14 +251,14 @@ def attribute(kernels: list[Kernel], hlo: Hlo) -> list[tuple[str, str]]:
         last_op = found[i][0] or last_op
       elif last_op:
         found[i] = (last_op, "neighbour", None)
-  return [(op, how) for op, how, _ in found]
+  return [Attribution(op, how, inst or "") for op, how, inst in found]
 
 
 def component_table(kernels: list[Kernel], hlo: Hlo) -> list[str]:
   """Markdown rows: kernel ms per component and phase, the component's share, then idle
   and how the kernels were attributed (`attribute`)."""
   ms, how_ms = collections.defaultdict(float), collections.Counter()
-  for k, (op, how) in zip(kernels, attribute(kernels, hlo)):
+  for k, (op, how, _) in zip(kernels, attribute(kernels, hlo)):
     comp, phase = component(op) if op else ("unattributed", "forward")
     ms[comp, phase] += k.dur / 1e3
     how_ms[how or "unattributed"] += k.dur / 1e3
@@ -267,6 +279,19 @@ def component_table(kernels: list[Kernel], hlo: Hlo) -> list[str]:
               f"{(span - busy) / span:.1%} of the span |")
   rows.append("\nkernel time attributed: " + ", ".join(
       f"{how} {v / total:.1%}" for how, v in how_ms.most_common()) + " (`attribute`)")
+  return rows
+
+
+def op_table(kernels: list[Kernel], hlo: Hlo, top: int = 25) -> list[str]:
+  """Markdown rows: the `top` heaviest groups of launches of one kernel for one component,
+  phase and HLO result shape (`attribute`)."""
+  groups = collections.defaultdict(list)
+  for k, (op, _, inst) in zip(kernels, attribute(kernels, hlo)):
+    comp, phase = component(op) if op else ("unattributed", "")
+    groups[k.name, comp, phase, hlo.shapes.get(inst, "")].append(k.dur)
+  rows = ["| kernel | component | phase | HLO result | ms | calls |", "|---|---|---|---|---|---|"]
+  for (name, comp, phase, shape), d in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]:
+    rows.append(f"| `{name[:60]}` | {comp} | {phase} | {shape} | {sum(d) / 1e3:.1f} | {len(d)} |")
   return rows
 
 
@@ -295,7 +320,9 @@ def main(argv):
   hlo = sorted(directory.rglob("*.hlo.txt"), key=lambda f: f.stat().st_mtime)
   if hlo:
     print(f"kernel time by component ({hlo[-1].name}):\n")
-    print("\n".join(component_table(kernels, parse_hlo(hlo[-1].read_text()))), "\n")
+    program = parse_hlo(hlo[-1].read_text())
+    print("\n".join(component_table(kernels, program)), "\n")
+    print("\n".join(op_table(kernels, program)), "\n")
   total = sum(k.dur for k in kernels)
   by_kind, by_name = collections.defaultdict(list), collections.defaultdict(list)
   for name, _, dur, *_ in kernels:

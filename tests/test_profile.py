@@ -35,7 +35,8 @@ def test_op_names_give_component_and_phase():
 
 
 def _custom_call(name, operand, target, op_name):
-  return (f'  %{name} = f32[4]{{0}} custom-call(%{operand}), custom_call_target="{target}", '
+  result = "(f32[4]{0}, s8[64]{0})" if "cublas" in target else "f32[4]{0}"  # + workspace
+  return (f'  %{name} = {result} custom-call(%{operand}), custom_call_target="{target}", '
           f'metadata={{op_name="jit(train_step)/{op_name}"}}')
 
 
@@ -75,7 +76,7 @@ def test_kernels_in_a_command_buffer_follow_the_schedule():
   kernels = [gpu_trace.Kernel(name, 1e3 * i, 1e3 * ms, "command_buffer_7", "")   # us
              for i, (name, ms) in enumerate(graph)]
   got = [(gpu_trace.component(op)[0], how)
-         for op, how in gpu_trace.attribute(kernels, hlo)]
+         for op, how, _ in gpu_trace.attribute(kernels, hlo)]
   assert got == [("kda", "named"), ("kda", "scheduled"), ("kda", "neighbour"),
                  ("moe.experts", "scheduled"), ("mla", "scheduled"), ("optimizer", "named")]
   table = "\n".join(gpu_trace.component_table(kernels, hlo))
@@ -84,6 +85,10 @@ def test_kernels_in_a_command_buffer_follow_the_schedule():
   assert "| mla | 0.0 | 0.0 | 30.0 | 0.0 | 30.0 | 30.0% |" in table, table
   assert "| optimizer | 0.0 | 0.0 | 0.0 | 8.0 | 8.0 | 8.0% |" in table, table
   assert "scheduled 80.0%, named 18.0%, neighbour 2.0%" in table, table
+  # one row per kernel, component, phase and result shape; the memset has no instruction
+  ops = "\n".join(gpu_trace.op_table(kernels, hlo))
+  assert "| `sm90_xmma_gemm_bf16` | mla | backward | f32[4] | 30.0 | 1 |" in ops, ops
+  assert "| `Memset 0` | kda | forward |  | 2.0 | 1 |" in ops, ops
 
 
 def test_a_cpu_trace_of_a_scoped_step_is_split_by_component(tmp_path):
