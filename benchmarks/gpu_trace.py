@@ -213,12 +213,12 @@ def component(op_name: str) -> tuple[str, str]:
 
 
 def attribute(kernels: list[Kernel], hlo: Hlo) -> list[Attribution]:
-  """Each kernel's `Attribution`: "named" where the kernel names
-  its op or HLO instruction (`hlo_op`, or a fusion kernel's own name: fusion_12 is
-  fusion.12); "scheduled" for a library or custom kernel inside a command buffer (a CUDA
-  graph runs them and they name only the buffer): the first custom call of its kind after
-  the previous located kernel in that computation's schedule; "neighbour" where that
-  finds none: the previous kernel's op in the same buffer."""
+  """Each kernel's `Attribution`: "named" where the kernel names its op or HLO instruction
+  (`hlo_op`, or a fusion kernel's own name: fusion_12 is fusion.12); "scheduled" for a
+  library or custom kernel inside a command buffer (a CUDA graph runs them and they name
+  only the buffer): the first custom call of its kind after the previous located kernel in
+  that computation's schedule; "neighbour" where that finds none: the previous kernel's op
+  in the same buffer."""
   def own(k):
     return next((n for n in (k.hlo_op, k.name, re.sub(r"_(\d+)$", r".\1", k.name))
                  if n in hlo.op_names), None)
