@@ -1,7 +1,9 @@
 """KDA's short convolution as Pallas Triton kernels, fp32 inside: y = silu(p) (L2-normalized
 if asked), p = sum_j w[j] x[t - j]. A program per (row, block of T, head) gathers its rows
 and the W - 1 before them by index, masked at the start and at document boundaries. Backward
-(only x saved): `_grad_p_kernel` (dp, per-block tap sums), `_grad_x_kernel` (dx = w * dp)."""
+(only x saved), two passes: `_grad_p_kernel` (dp in fp32, per-block tap sums), then
+`_grad_x_kernel` (dx = w * dp); or one (`one_pass`): `_grad_kernel` recomputes dp at the W
+rows each dx row reads instead of storing it."""
 
 from __future__ import annotations
 
@@ -54,19 +56,45 @@ def _fwd_kernel(x_ref, w_ref, seg_ref, y_ref, *, taps, normalize, block_t):
   y_ref[...] = _act(p, normalize)[0].astype(y_ref.dtype)
 
 
+def _dp(x_ref, w_ref, seg_ref, dy, t, seg_t, taps, limit, normalize):
+  """The gradient at the pre-activation p of rows t, given dy there (fp32)."""
+  p = _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit)
+  y, sg, r = _act(p, normalize)
+  ds = r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True)) if normalize else dy
+  return ds * sg * (1.0 + p * (1.0 - sg))
+
+
+def _tap_sums(x_ref, seg_ref, dp, dw_ref, t, seg_t, taps, limit):
+  """dw_ref[j] = this block's sum over rows t of x[t - j] * dp[t]."""
+  dw_ref[0, :] = jnp.sum(x_ref[t, :].astype(F32) * dp, axis=0)
+  for j in range(1, taps):
+    dw_ref[j, :] = jnp.sum(_tap(x_ref, seg_ref, t, seg_t, -j, limit) * dp, axis=0)
+
+
 def _grad_p_kernel(x_ref, w_ref, seg_ref, dy_ref, dp_ref, dw_ref, *, taps, normalize,
                    block_t):
   t = _rows(block_t)
   limit, seg_t = x_ref.shape[0], seg_ref[t]
-  p = _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit)
-  y, sg, r = _act(p, normalize)
-  dy = dy_ref[...].astype(F32)
-  ds = r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True)) if normalize else dy
-  dp = ds * sg * (1.0 + p * (1.0 - sg))
+  dp = _dp(x_ref, w_ref, seg_ref, dy_ref[...].astype(F32), t, seg_t, taps, limit, normalize)
   dp_ref[...] = dp
-  dw_ref[0, :] = jnp.sum(x_ref[t, :].astype(F32) * dp, axis=0)
-  for j in range(1, taps):
-    dw_ref[j, :] = jnp.sum(_tap(x_ref, seg_ref, t, seg_t, -j, limit) * dp, axis=0)
+  _tap_sums(x_ref, seg_ref, dp, dw_ref, t, seg_t, taps, limit)
+
+
+def _grad_kernel(x_ref, w_ref, seg_ref, dy_ref, dx_ref, dw_ref, *, taps, normalize, block_t):
+  """dx[t] = sum_j w[j] dp[t + j] over the rows t + j of t's document, each dp[t + j]
+  recomputed from x and dy; the tap sums from dp[t]."""
+  t = _rows(block_t)
+  limit, seg_t = x_ref.shape[0], seg_ref[t]
+  dx = jnp.zeros((block_t, x_ref.shape[1]), F32)
+  for j in range(taps):
+    r = jnp.clip(t + j, 0, limit - 1)
+    seg_r = seg_ref[r]
+    dp = _dp(x_ref, w_ref, seg_ref, dy_ref[r, :].astype(F32), r, seg_r, taps, limit, normalize)
+    if j == 0:
+      _tap_sums(x_ref, seg_ref, dp, dw_ref, t, seg_t, taps, limit)
+    ok = (t + j < limit) & (seg_r == seg_t)
+    dx += jnp.where(ok[:, None], dp, 0.0) * w_ref[j, :].astype(F32)[None]
+  dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
 def _grad_x_kernel(dp_ref, w_ref, seg_ref, dx_ref, *, taps, block_t):
@@ -87,8 +115,8 @@ def _specs(Tp, D, Wp, block_t):
   return whole, block, taps, seg
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _conv(taps, normalize, block_t, interpret, x, w, seg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _conv(taps, normalize, block_t, one_pass, interpret, x, w, seg):
   return _conv_forward(taps, normalize, block_t, interpret, x, w, seg)
 
 
@@ -102,12 +130,33 @@ def _conv_forward(taps, normalize, block_t, interpret, x, w, seg):
                      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
 
 
-def _conv_fwd(taps, normalize, block_t, interpret, x, w, seg):
+def _conv_fwd(taps, normalize, block_t, one_pass, interpret, x, w, seg):
   return _conv_forward(taps, normalize, block_t, interpret, x, w, seg), (x, w, seg)
 
 
-def _conv_bwd(taps, normalize, block_t, interpret, res, dy):
-  return _conv_backward(taps, normalize, block_t, interpret, *res, dy) + (None,)
+def _conv_bwd(taps, normalize, block_t, one_pass, interpret, res, dy):
+  backward = _conv_backward_one_pass if one_pass else _conv_backward
+  return backward(taps, normalize, block_t, interpret, *res, dy) + (None,)
+
+
+def _dw_spec(Wp, D):
+  """Per-block tap sums [B, Tp / BT, Wp, H, D], summed outside."""
+  return pl.BlockSpec((None, None, Wp, None, D), lambda b, i, h: (b, i, 0, h, 0))
+
+
+@lowered_once(0, 1, 2, 3)
+def _conv_backward_one_pass(taps, normalize, block_t, interpret, x, w, seg, dy):
+  """(dx, dw), dp never stored."""
+  B, Tp, H, D = x.shape
+  Wp, n = w.shape[0], Tp // block_t
+  whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, block_t)
+  kernel = functools.partial(_grad_kernel, taps=taps, normalize=normalize, block_t=block_t)
+  dx, dw_blocks = triton_call(
+      kernel, x, w, seg, dy, grid=(B, n, H), in_specs=[whole, taps_spec, seg_spec, whole],
+      out_specs=[block, _dw_spec(Wp, D)],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)], interpret=interpret)
+  return dx, jnp.sum(dw_blocks, axis=(0, 1)).astype(w.dtype)
 
 
 @lowered_once(0, 1, 2, 3)
@@ -117,7 +166,7 @@ def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
   Wp, n = w.shape[0], Tp // block_t
   whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, block_t)
   grid = (B, n, H)
-  dw_spec = pl.BlockSpec((None, None, Wp, None, D), lambda b, i, h: (b, i, 0, h, 0))
+  dw_spec = _dw_spec(Wp, D)
   kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize, block_t=block_t)
   dp, dw_blocks = triton_call(
       kernel, x, w, seg, dy, grid=grid, in_specs=[whole, taps_spec, seg_spec, block],
@@ -137,8 +186,9 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                       normalize: bool = False, block_t: int = BLOCK_T,
-                      interpret: bool = False) -> jax.Array:
-  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks)."""
+                      one_pass: bool = False, interpret: bool = False) -> jax.Array:
+  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks);
+  one_pass: the backward as one kernel that recomputes dp instead of storing it."""
   check_shapes(x, weight, segment_ids)
   B, T, H, D = x.shape
   W = weight.shape[0]
@@ -150,5 +200,6 @@ def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *
     segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Tp - T)), constant_values=-1)
   if (Wp, Dp) != (W, D):
     weight = jnp.pad(weight, ((0, Wp - W), (0, 0), (0, Dp - D)))
-  y = _conv(W, normalize, block_t, interpret, x, weight, segment_ids.astype(jnp.int32))
+  y = _conv(W, normalize, block_t, one_pass, interpret, x, weight,
+            segment_ids.astype(jnp.int32))
   return y[:, :T, :, :D]
