@@ -145,7 +145,7 @@ def test_kernels_remat_keeps_the_cudnn_forward():
   cuDNN's forward as often as without remat ("full" calls it more: it runs again for the
   backward), and its gradients are those without remat, within cuDNN's backward's run-to-run
   spread (a wrong residual would be O(1))."""
-  from k3jax.model.remat import POLICIES  # noqa: PLC0415
+  from k3jax.model import remat  # noqa: PLC0415
   q, k, v = inputs()
   ids = unique_padding_ids(single_documents())
 
@@ -156,8 +156,8 @@ def test_kernels_remat_keeps_the_cudnn_forward():
   def compiled(name):
     # value_and_grad keeps the primal forward live; under grad alone XLA drops it and even
     # "full" calls the forward once.
-    f = jax.checkpoint(loss, policy=POLICIES[name]) if POLICIES[name] else loss
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    grad = jax.value_and_grad(remat.wrap(loss, name), argnums=(0, 1, 2))
+    return jax.jit(grad).lower(q, k, v).compile()
 
   def forwards(program):
     targets = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', program.as_text())

@@ -132,9 +132,8 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
 
 def _remat_grads(loss):
   """loss's gradient under remat "none", "full" and "kernels": {policy: function}."""
-  from k3jax.model.remat import POLICIES  # noqa: PLC0415
-  return {name: jax.grad(jax.checkpoint(loss, policy=POLICIES[name]) if POLICIES[name] else loss)
-          for name in ("none", "full", "kernels")}
+  from k3jax.model import remat  # noqa: PLC0415
+  return {name: jax.grad(remat.wrap(loss, name)) for name in ("none", "full", "kernels")}
 
 
 def _jaxpr_counts(grads, x, marker):

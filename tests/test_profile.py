@@ -63,6 +63,14 @@ HLO = "\n".join([
 ])
 
 
+@pytest.mark.parametrize("name, want", [
+    ("_grad_p_kernel", "short conv kernels"), ("_grad_x_kernel__1", "short conv kernels"),
+    ("_grad_kernel", "short conv kernels"), ("_rec_fwd_kernel", "KDA kernels"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "cuBLAS / cuDNN matmuls")])
+def test_kernel_names_give_their_kind(name, want):
+  assert gpu_trace.kind(name) == want
+
+
 def test_kernels_in_a_command_buffer_follow_the_schedule():
   """The graph's kernels name only the buffer: a fusion kernel by its own name, the library
   kernels as the next custom call of their kind in the schedule, a memset as its

@@ -140,13 +140,10 @@ class Cycle(nnx.Module):
 
   def __call__(self, stream, segment_ids, valid):
     auxes = []
-    policy = remat.policy(*self.layer_remat)
     for layer in self.layers:
       def run(s, layer=layer):
         return layer(s, segment_ids, valid)
-      if policy is not None:
-        run = jax.checkpoint(run, policy=policy)
-      stream, aux = run(stream)
+      stream, aux = remat.wrap(run, *self.layer_remat)(stream)
       auxes.append(aux)
     return stream, auxes
 
@@ -191,8 +188,7 @@ class K3Model(nnx.Module):
     self.placeholder_id = cfg_model.vision.placeholder_id
 
   def _remat(self, fn):
-    policy = remat.policy(self.remat, self.remat_save)
-    return fn if policy is None else jax.checkpoint(fn, policy=policy)
+    return remat.wrap(fn, self.remat, self.remat_save)
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array,
                media: PackedMedia | None = None):

@@ -75,3 +75,9 @@ def policy(remat: str, save: str = ""):
     return base
   return jax.checkpoint_policies.save_from_both_policies(
       base, jax.checkpoint_policies.save_only_these_names(*names))
+
+
+def wrap(fn, remat: str, save: str = ""):
+  """fn under `jax.checkpoint` with `policy(remat, save)`; fn itself for remat "none"."""
+  chosen = policy(remat, save)
+  return fn if chosen is None else jax.checkpoint(fn, policy=chosen)

@@ -135,50 +135,33 @@ def _conv_fwd(taps, normalize, block_t, one_pass, interpret, x, w, seg):
 
 
 def _conv_bwd(taps, normalize, block_t, one_pass, interpret, res, dy):
-  backward = _conv_backward_one_pass if one_pass else _conv_backward
-  return backward(taps, normalize, block_t, interpret, *res, dy) + (None,)
+  return _conv_backward(taps, normalize, block_t, one_pass, interpret, *res, dy) + (None,)
 
 
-def _dw_spec(Wp, D):
-  """Per-block tap sums [B, Tp / BT, Wp, H, D], summed outside."""
-  return pl.BlockSpec((None, None, Wp, None, D), lambda b, i, h: (b, i, 0, h, 0))
-
-
-@lowered_once(0, 1, 2, 3)
-def _conv_backward_one_pass(taps, normalize, block_t, interpret, x, w, seg, dy):
-  """(dx, dw), dp never stored."""
+@lowered_once(0, 1, 2, 3, 4)
+def _conv_backward(taps, normalize, block_t, one_pass, interpret, x, w, seg, dy):
+  """(dx, dw); one_pass: dx and the taps' block sums in one kernel, dp never stored."""
   B, Tp, H, D = x.shape
   Wp, n = w.shape[0], Tp // block_t
   whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, block_t)
-  kernel = functools.partial(_grad_kernel, taps=taps, normalize=normalize, block_t=block_t)
-  dx, dw_blocks = triton_call(
-      kernel, x, w, seg, dy, grid=(B, n, H), in_specs=[whole, taps_spec, seg_spec, whole],
-      out_specs=[block, _dw_spec(Wp, D)],
-      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)], interpret=interpret)
+  call = functools.partial(triton_call, grid=(B, n, H), interpret=interpret)
+  dw_spec = pl.BlockSpec((None, None, Wp, None, D), lambda b, i, h: (b, i, 0, h, 0))
+  dw_shape = jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)       # per-block tap sums
+  dx_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if one_pass:
+    kernel = functools.partial(_grad_kernel, taps=taps, normalize=normalize, block_t=block_t)
+    dx, dw_blocks = call(kernel, x, w, seg, dy, in_specs=[whole, taps_spec, seg_spec, whole],
+                         out_specs=[block, dw_spec], out_shape=[dx_shape, dw_shape])
+  else:
+    kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize,
+                               block_t=block_t)
+    dp, dw_blocks = call(kernel, x, w, seg, dy, in_specs=[whole, taps_spec, seg_spec, block],
+                         out_specs=[block, dw_spec],
+                         out_shape=[jax.ShapeDtypeStruct(x.shape, F32), dw_shape])
+    kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t)
+    dx = call(kernel, dp, w, seg, in_specs=[whole, taps_spec, seg_spec], out_specs=block,
+              out_shape=dx_shape)
   return dx, jnp.sum(dw_blocks, axis=(0, 1)).astype(w.dtype)
-
-
-@lowered_once(0, 1, 2, 3)
-def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
-  """(dx, dw)."""
-  B, Tp, H, D = x.shape
-  Wp, n = w.shape[0], Tp // block_t
-  whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, block_t)
-  grid = (B, n, H)
-  dw_spec = _dw_spec(Wp, D)
-  kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize, block_t=block_t)
-  dp, dw_blocks = triton_call(
-      kernel, x, w, seg, dy, grid=grid, in_specs=[whole, taps_spec, seg_spec, block],
-      out_specs=[block, dw_spec],
-      out_shape=[jax.ShapeDtypeStruct(x.shape, F32),
-                 jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)], interpret=interpret)
-  kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t)
-  dx = triton_call(kernel, dp, w, seg, grid=grid, in_specs=[whole, taps_spec, seg_spec],
-                   out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                   interpret=interpret)
-  dw = jnp.sum(dw_blocks, axis=(0, 1)).astype(w.dtype)
-  return dx, dw
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
