@@ -40,7 +40,7 @@ KINDS = (
     ("QK-Clip max logit", r"row_max_kernel|max_logit"),
     ("KDA kernels", r"rec_fwd|rec_bwd|prep_kernel|chunk_cots|chunk_bwd|transition_kernel|"
                     r"chain_kernel"),
-    ("short conv kernels", r"grad_p_kernel|grad_x_kernel|_grad_kernel|_fwd_kernel"),
+    ("short conv kernels", r"grad_p_kernel|grad_x_kernel|_fwd_kernel"),
     ("grouped matmuls (Mosaic GPU)", r"mosaic|persistent|(?<!w)gmm|ragged"),
     ("Newton-Schulz kernels", r"gram_kernel|poly_kernel|apply_kernel|whole_kernel"),
     ("cuBLAS / cuDNN matmuls", r"gemm|nvjet|cublas|cudnn|xmma|cutlass|sm90_|wgmma"),

@@ -6,8 +6,7 @@ activations packed with two documents a row (fla gets the same rows flattened wi
 cu_seqlens), fp32 taps as the model holds them. Prints the agreement of y, dx and dw with
 the fp32 reference (relative RMS) and median times of the forward and forward+backward,
 with GB/s on the least traffic a fused form needs (forward: read x, write y; backward: read
-x and dy, write dx: 10 bytes an element in all, bf16). Ours at each --blocks setting, with
-the backward in two kernels (dp stored in fp32) and in one ("1-pass", dp recomputed).
+x and dy, write dx: 10 bytes an element in all, bf16).
 
 Run on the H200 (fla carried as wheels, see /work/shared/ANCHORS.md):
     python3 benchmarks/short_conv.py --shapes 8,4096,16,128 2,4096,16,128 --peer fla
@@ -16,7 +15,6 @@ Run on the H200 (fla carried as wheels, see /work/shared/ANCHORS.md):
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 
@@ -122,11 +120,9 @@ def main():
       exact = run_jax(inp, short_conv_reference, normalize, 1, dtype=jnp.float32)
       runs = {"reference": lambda: run_jax(inp, short_conv_reference, normalize, a.reps)}
       for bt in map(int, a.blocks.split(",")):
-        for one_pass in (False, True):
-          fn = functools.partial(short_conv_pallas, block_t=bt, one_pass=one_pass,
-                                 interpret=a.interpret)
-          name = f"ours bt{bt}" + (" 1-pass" if one_pass else "")
-          runs[name] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)
+        fn = lambda *args, bt=bt, **kw: short_conv_pallas(*args, block_t=bt,
+                                                          interpret=a.interpret, **kw)
+        runs[f"ours bt{bt}"] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)
       if a.peer == "fla":
         runs["fla"] = lambda: run_fla(inp, normalize, a.reps)
       for name, run in runs.items():

@@ -65,7 +65,7 @@ HLO = "\n".join([
 
 @pytest.mark.parametrize("name, want", [
     ("_grad_p_kernel", "short conv kernels"), ("_grad_x_kernel__1", "short conv kernels"),
-    ("_grad_kernel", "short conv kernels"), ("_rec_fwd_kernel", "KDA kernels"),
+    ("_fwd_kernel", "short conv kernels"), ("_rec_fwd_kernel", "KDA kernels"),
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "cuBLAS / cuDNN matmuls")])
 def test_kernel_names_give_their_kind(name, want):
   assert gpu_trace.kind(name) == want

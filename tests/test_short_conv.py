@@ -37,12 +37,11 @@ def _rel(a, b):
     ((2, 64, 2, 32, 4), False),
     ((1, 70, 1, 128, 2), True),    # a full head, two taps
 ])
-@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
-def test_kernel_matches_reference(shape, normalize, one_pass):
+def test_kernel_matches_reference(shape, normalize):
   """fp32: output, input gradient and tap gradients equal the reference's to rounding,
-  with documents packed in each row; the backward in two passes or one."""
+  with documents packed in each row."""
   args = _inputs(*shape)
-  interp = lambda *a, **kw: short_conv_pallas(*a, interpret=True, one_pass=one_pass, **kw)
+  interp = lambda *a, **kw: short_conv_pallas(*a, interpret=True, **kw)
   got = _value_and_grads(interp, *args, normalize=normalize)
   want = _value_and_grads(short_conv_reference, *args, normalize=normalize)
   for name, a, b in zip(("y", "dx", "dw"), got, want):
@@ -50,17 +49,15 @@ def test_kernel_matches_reference(shape, normalize, one_pass):
     assert _rel(a, b) < 2e-6, (name, _rel(a, b))
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
-def test_bf16_kernel_is_as_accurate_as_the_reference(one_pass):
+def test_bf16_kernel_is_as_accurate_as_the_reference():
   """bf16 activations: both forms compute in fp32 and round once at the end, so both are
   within bf16 rounding of the fp32 result and agree with each other as closely."""
   x, w, seg, dy = _inputs(2, 96, 2, 64, 4, seed=1, dtype=jnp.bfloat16)
   exact = _value_and_grads(short_conv_reference, x.astype(jnp.float32), w, seg,
                            dy.astype(jnp.float32), normalize=True)
   ref = _value_and_grads(short_conv_reference, x, w, seg, dy, normalize=True)
-  got = _value_and_grads(
-      lambda *a, **kw: short_conv_pallas(*a, interpret=True, one_pass=one_pass, **kw),
-      x, w, seg, dy, normalize=True)
+  got = _value_and_grads(lambda *a, **kw: short_conv_pallas(*a, interpret=True, **kw),
+                         x, w, seg, dy, normalize=True)
   for name, a, b, e in zip(("y", "dx", "dw"), got, ref, exact):
     assert a.dtype == b.dtype, name
     assert _rel(a, e) < 4e-3 and _rel(b, e) < 4e-3, (name, _rel(a, e), _rel(b, e))
@@ -131,24 +128,21 @@ def test_dispatcher():
       short_conv(x, w, seg[:, :8], backend=backend)
 
 
-@pytest.mark.parametrize("convs, one_pass, kernels", [(1, False, 3), (3, False, 3),
-                                                      (3, True, 2)])
-def test_lowers_for_cuda(convs, one_pass, kernels):
+@pytest.mark.parametrize("convs", [1, 3])
+def test_lowers_for_cuda(convs):
   """Forward and backward lower to Triton for CUDA (no GPU needed): the forward kernel,
-  then dp with the taps' block sums, then dx (one_pass: dx and the taps' sums in one); once
-  however many convs of the same shapes a program makes (each distinct call is lowered
-  once)."""
+  then dp with the taps' block sums, then dx; once however many convs of the same shapes a
+  program makes (each distinct call is lowered once)."""
   sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
 
   def loss(x, w, seg):
-    return sum(jnp.sum(short_conv_pallas(x, w * (i + 1), seg, normalize=True,
-                                         one_pass=one_pass).astype(jnp.float32))
-               for i in range(convs))
+    return sum(jnp.sum(short_conv_pallas(x, w * (i + 1), seg, normalize=True).astype(
+        jnp.float32)) for i in range(convs))
 
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(
       sd(2, 300, 4, 128), sd(4, 4, 128, dt=jnp.float32), sd(2, 300, dt=jnp.int32)).lower(
           lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == kernels
+  assert text.count("__gpu$xla.gpu.triton") == 3
 
 
 def test_layer_conv_backends_agree():

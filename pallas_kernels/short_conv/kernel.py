@@ -1,9 +1,9 @@
 """KDA's short convolution as Pallas Triton kernels, fp32 inside: y = silu(p) (L2-normalized
 if asked), p = sum_j w[j] x[t - j]. A program per (row, block of T, head) gathers its rows
 and the W - 1 before them by index, masked at the start and at document boundaries. Backward
-(only x saved), two passes: `_grad_p_kernel` (dp in fp32, per-block tap sums), then
-`_grad_x_kernel` (dx = w * dp); or one (`one_pass`): `_grad_kernel` recomputes dp at the W
-rows each dx row reads instead of storing it."""
+(only x saved): `_grad_p_kernel` (dp, per-block tap sums), `_grad_x_kernel` (dx = w * dp).
+Storing dp in fp32 beats recomputing it at the W rows each dx row reads (one kernel):
+benchmarks/results/short_conv.md."""
 
 from __future__ import annotations
 
@@ -56,45 +56,19 @@ def _fwd_kernel(x_ref, w_ref, seg_ref, y_ref, *, taps, normalize, block_t):
   y_ref[...] = _act(p, normalize)[0].astype(y_ref.dtype)
 
 
-def _dp(x_ref, w_ref, seg_ref, dy, t, seg_t, taps, limit, normalize):
-  """The gradient at the pre-activation p of rows t, given dy there (fp32)."""
-  p = _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit)
-  y, sg, r = _act(p, normalize)
-  ds = r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True)) if normalize else dy
-  return ds * sg * (1.0 + p * (1.0 - sg))
-
-
-def _tap_sums(x_ref, seg_ref, dp, dw_ref, t, seg_t, taps, limit):
-  """dw_ref[j] = this block's sum over rows t of x[t - j] * dp[t]."""
-  dw_ref[0, :] = jnp.sum(x_ref[t, :].astype(F32) * dp, axis=0)
-  for j in range(1, taps):
-    dw_ref[j, :] = jnp.sum(_tap(x_ref, seg_ref, t, seg_t, -j, limit) * dp, axis=0)
-
-
 def _grad_p_kernel(x_ref, w_ref, seg_ref, dy_ref, dp_ref, dw_ref, *, taps, normalize,
                    block_t):
   t = _rows(block_t)
   limit, seg_t = x_ref.shape[0], seg_ref[t]
-  dp = _dp(x_ref, w_ref, seg_ref, dy_ref[...].astype(F32), t, seg_t, taps, limit, normalize)
+  p = _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit)
+  y, sg, r = _act(p, normalize)
+  dy = dy_ref[...].astype(F32)
+  ds = r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True)) if normalize else dy
+  dp = ds * sg * (1.0 + p * (1.0 - sg))
   dp_ref[...] = dp
-  _tap_sums(x_ref, seg_ref, dp, dw_ref, t, seg_t, taps, limit)
-
-
-def _grad_kernel(x_ref, w_ref, seg_ref, dy_ref, dx_ref, dw_ref, *, taps, normalize, block_t):
-  """dx[t] = sum_j w[j] dp[t + j] over the rows t + j of t's document, each dp[t + j]
-  recomputed from x and dy; the tap sums from dp[t]."""
-  t = _rows(block_t)
-  limit, seg_t = x_ref.shape[0], seg_ref[t]
-  dx = jnp.zeros((block_t, x_ref.shape[1]), F32)
-  for j in range(taps):
-    r = jnp.clip(t + j, 0, limit - 1)
-    seg_r = seg_ref[r]
-    dp = _dp(x_ref, w_ref, seg_ref, dy_ref[r, :].astype(F32), r, seg_r, taps, limit, normalize)
-    if j == 0:
-      _tap_sums(x_ref, seg_ref, dp, dw_ref, t, seg_t, taps, limit)
-    ok = (t + j < limit) & (seg_r == seg_t)
-    dx += jnp.where(ok[:, None], dp, 0.0) * w_ref[j, :].astype(F32)[None]
-  dx_ref[...] = dx.astype(dx_ref.dtype)
+  dw_ref[0, :] = jnp.sum(x_ref[t, :].astype(F32) * dp, axis=0)
+  for j in range(1, taps):
+    dw_ref[j, :] = jnp.sum(_tap(x_ref, seg_ref, t, seg_t, -j, limit) * dp, axis=0)
 
 
 def _grad_x_kernel(dp_ref, w_ref, seg_ref, dx_ref, *, taps, block_t):
@@ -115,8 +89,8 @@ def _specs(Tp, D, Wp, block_t):
   return whole, block, taps, seg
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _conv(taps, normalize, block_t, one_pass, interpret, x, w, seg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _conv(taps, normalize, block_t, interpret, x, w, seg):
   return _conv_forward(taps, normalize, block_t, interpret, x, w, seg)
 
 
@@ -130,38 +104,34 @@ def _conv_forward(taps, normalize, block_t, interpret, x, w, seg):
                      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
 
 
-def _conv_fwd(taps, normalize, block_t, one_pass, interpret, x, w, seg):
+def _conv_fwd(taps, normalize, block_t, interpret, x, w, seg):
   return _conv_forward(taps, normalize, block_t, interpret, x, w, seg), (x, w, seg)
 
 
-def _conv_bwd(taps, normalize, block_t, one_pass, interpret, res, dy):
-  return _conv_backward(taps, normalize, block_t, one_pass, interpret, *res, dy) + (None,)
+def _conv_bwd(taps, normalize, block_t, interpret, res, dy):
+  return _conv_backward(taps, normalize, block_t, interpret, *res, dy) + (None,)
 
 
-@lowered_once(0, 1, 2, 3, 4)
-def _conv_backward(taps, normalize, block_t, one_pass, interpret, x, w, seg, dy):
-  """(dx, dw); one_pass: dx and the taps' block sums in one kernel, dp never stored."""
+@lowered_once(0, 1, 2, 3)
+def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
+  """(dx, dw)."""
   B, Tp, H, D = x.shape
   Wp, n = w.shape[0], Tp // block_t
   whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, block_t)
-  call = functools.partial(triton_call, grid=(B, n, H), interpret=interpret)
+  grid = (B, n, H)
   dw_spec = pl.BlockSpec((None, None, Wp, None, D), lambda b, i, h: (b, i, 0, h, 0))
-  dw_shape = jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)       # per-block tap sums
-  dx_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-  if one_pass:
-    kernel = functools.partial(_grad_kernel, taps=taps, normalize=normalize, block_t=block_t)
-    dx, dw_blocks = call(kernel, x, w, seg, dy, in_specs=[whole, taps_spec, seg_spec, whole],
-                         out_specs=[block, dw_spec], out_shape=[dx_shape, dw_shape])
-  else:
-    kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize,
-                               block_t=block_t)
-    dp, dw_blocks = call(kernel, x, w, seg, dy, in_specs=[whole, taps_spec, seg_spec, block],
-                         out_specs=[block, dw_spec],
-                         out_shape=[jax.ShapeDtypeStruct(x.shape, F32), dw_shape])
-    kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t)
-    dx = call(kernel, dp, w, seg, in_specs=[whole, taps_spec, seg_spec], out_specs=block,
-              out_shape=dx_shape)
-  return dx, jnp.sum(dw_blocks, axis=(0, 1)).astype(w.dtype)
+  kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize, block_t=block_t)
+  dp, dw_blocks = triton_call(
+      kernel, x, w, seg, dy, grid=grid, in_specs=[whole, taps_spec, seg_spec, block],
+      out_specs=[block, dw_spec],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, F32),
+                 jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)], interpret=interpret)
+  kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t)
+  dx = triton_call(kernel, dp, w, seg, grid=grid, in_specs=[whole, taps_spec, seg_spec],
+                   out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   interpret=interpret)
+  dw = jnp.sum(dw_blocks, axis=(0, 1)).astype(w.dtype)
+  return dx, dw
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
@@ -169,9 +139,8 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                       normalize: bool = False, block_t: int = BLOCK_T,
-                      one_pass: bool = False, interpret: bool = False) -> jax.Array:
-  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks);
-  one_pass: the backward as one kernel that recomputes dp instead of storing it."""
+                      interpret: bool = False) -> jax.Array:
+  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks)."""
   check_shapes(x, weight, segment_ids)
   B, T, H, D = x.shape
   W = weight.shape[0]
@@ -183,6 +152,5 @@ def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *
     segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Tp - T)), constant_values=-1)
   if (Wp, Dp) != (W, D):
     weight = jnp.pad(weight, ((0, Wp - W), (0, 0), (0, Dp - D)))
-  y = _conv(W, normalize, block_t, one_pass, interpret, x, weight,
-            segment_ids.astype(jnp.int32))
+  y = _conv(W, normalize, block_t, interpret, x, weight, segment_ids.astype(jnp.int32))
   return y[:, :T, :, :D]
