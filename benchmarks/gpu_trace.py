@@ -18,7 +18,9 @@ Reads the Perfetto copy that `jax.profiler.trace(..., create_perfetto_trace=True
   the gradient (update: the optimizer, the norms, keeping or skipping the step).
 - per kind (by kernel name, `KINDS`, first match), the time, share and count;
 - with the HLO: the 25 heaviest (kernel, component, phase, HLO result shape) groups, which
-  tell apart one kernel's launches for different ops;
+  tell apart one kernel's launches for different ops, each with its rate (the bytes an
+  elementwise launch moves or a cuBLAS matmul's FLOPs, `hlo_launches.costs`, per second),
+  and one line of the rate of all of them: what is bandwidth-bound and what is slow;
 - the 25 heaviest kernels; and the span from the first kernel's start to the last one's
   end with the time no kernel ran (idle).
 """
@@ -282,17 +284,45 @@ def component_table(kernels: list[Kernel], hlo: Hlo) -> list[str]:
   return rows
 
 
-def op_table(kernels: list[Kernel], hlo: Hlo, top: int = 25) -> list[str]:
+def op_table(kernels: list[Kernel], hlo: Hlo, costs: dict | None = None,
+             top: int = 25) -> list[str]:
   """Markdown rows: the `top` heaviest groups of launches of one kernel for one component,
-  phase and HLO result shape (`attribute`)."""
-  groups = collections.defaultdict(list)
+  phase and HLO result shape (`attribute`). costs (`hlo_launches.costs`): also the rate of
+  the launches whose instruction has one: TFLOP/s of a cuBLAS matmul, GB/s of the rest."""
+  groups = collections.defaultdict(lambda: [0.0, 0, 0.0, 0, 0])  # us, calls, costed us, B, F
   for k, (op, _, inst) in zip(kernels, attribute(kernels, hlo)):
     comp, phase = component(op) if op else ("unattributed", "")
-    groups[k.name, comp, phase, hlo.shapes.get(inst, "")].append(k.dur)
-  rows = ["| kernel | component | phase | HLO result | ms | calls |", "|---|---|---|---|---|---|"]
-  for (name, comp, phase, shape), d in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]:
-    rows.append(f"| `{name[:60]}` | {comp} | {phase} | {shape} | {sum(d) / 1e3:.1f} | {len(d)} |")
+    g = groups[k.name, comp, phase, hlo.shapes.get(inst, "")]
+    g[0] += k.dur
+    g[1] += 1
+    cost = (costs or {}).get(inst)
+    if cost and (cost.bytes or cost.flops):
+      g[2:] = g[2] + k.dur, g[3] + cost.bytes, g[4] + cost.flops
+  rows = ["| kernel | component | phase | HLO result | ms | calls | rate |",
+          "|---|---|---|---|---|---|---|"]
+  for (name, comp, phase, shape), (us, calls, costed, nbytes, flops) in sorted(
+      groups.items(), key=lambda kv: -kv[1][0])[:top]:
+    rate = (f"{flops / costed / 1e6:.0f} TFLOP/s" if flops else
+            f"{nbytes / costed / 1e3:.0f} GB/s" if nbytes else "")
+    rows.append(f"| `{name[:60]}` | {comp} | {phase} | {shape} | {us / 1e3:.1f} | {calls} | "
+                f"{rate} |")
   return rows
+
+
+def rates(kernels: list[Kernel], hlo: Hlo, costs: dict) -> str:
+  """One line: the time, work and rate of the launches `costs` prices: XLA's elementwise
+  launches (GB moved) and cuBLAS's matmuls (TFLOP)."""
+  us, work = [0.0, 0.0], [0, 0]
+  for k, (_, _, inst) in zip(kernels, attribute(kernels, hlo)):
+    cost = costs.get(inst)
+    if cost and (cost.bytes or cost.flops):
+      i = 1 if cost.flops else 0
+      us[i] += k.dur
+      work[i] += cost.flops or cost.bytes
+  gb, tflop = work[0] / 1e9, work[1] / 1e12
+  return (f"elementwise launches {us[0] / 1e3:.1f} ms, {gb:.1f} GB, "
+          f"{gb / max(us[0], 1e-9) * 1e6:.0f} GB/s; cuBLAS matmuls {us[1] / 1e3:.1f} ms, "
+          f"{tflop:.1f} TFLOP, {tflop / max(us[1], 1e-9) * 1e6:.0f} TFLOP/s")
 
 
 def busy_span(kernels: list[Kernel]) -> tuple[float, float]:
@@ -320,9 +350,13 @@ def main(argv):
   hlo = sorted(directory.rglob("*.hlo.txt"), key=lambda f: f.stat().st_mtime)
   if hlo:
     print(f"kernel time by component ({hlo[-1].name}):\n")
-    program = parse_hlo(hlo[-1].read_text())
+    text = hlo[-1].read_text()
+    program = parse_hlo(text)
+    import hlo_launches  # noqa: PLC0415  (it reads components from this module)
+    costs = hlo_launches.costs(text)
     print("\n".join(component_table(kernels, program)), "\n")
-    print("\n".join(op_table(kernels, program)), "\n")
+    print("\n".join(op_table(kernels, program, costs)), "\n")
+    print(rates(kernels, program, costs), "\n")
   total = sum(k.dur for k in kernels)
   by_kind, by_name = collections.defaultdict(list), collections.defaultdict(list)
   for name, _, dur, *_ in kernels:

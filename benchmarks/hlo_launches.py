@@ -7,6 +7,7 @@ needed; `gpu_compile.py` prints the tables. Matmuls and kernels are counted, not
 from __future__ import annotations
 
 import collections
+import math
 import re
 from typing import NamedTuple
 
@@ -80,31 +81,74 @@ def _runs(comps, entry) -> collections.Counter:
   return runs
 
 
+class Cost(NamedTuple):
+  bytes: int       # an elementwise launch's reads + writes a run (0: a matmul or kernel)
+  flops: int       # a cuBLAS matmul's 2 x multiply-adds a run (0: anything else)
+
+
 def launches(hlo_text: str) -> list[Launch]:
   """Every launch of the compiled program `hlo_text` (`jax.stages.Compiled.as_text()`)."""
   comps, entry = _computations(hlo_text)
-  sizes = {name: shape_bytes(shape) for insts in comps.values() for name, shape, *_ in insts}
   op_names = gpu_trace.parse_hlo(hlo_text).op_names
+  step = _runs(comps, entry)
+  cost = _costs(comps, step)
   out = []
-  for comp, runs in _runs(comps, entry).items():
-    for name, shape, op, operands, line in comps.get(comp, []):
-      if op not in _LAUNCHES:
+  for comp, runs in step.items():
+    for name, _, op, _, line in comps.get(comp, []):
+      if name not in cost:
         continue
       custom = gpu_trace.custom_class(line).split(":")[0]
       if op == "custom-call" or "gemm" in name or "__cublas" in line:
-        kind, size = custom or "matmul", 0
+        kind = custom or "matmul"
       else:
-        reads = [sizes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", operands.split("),")[0])]
-        if "dynamic_update_slice" in name or op == "dynamic-update-slice":
-          size = 2 * (sum(reads) - max(reads, default=0))   # in place: the update only
-        elif "dynamic_slice" in name or op == "dynamic-slice":
-          size = 2 * sizes[name]
-        else:
-          size = sizes[name] + sum(reads)
         kind = "fusion" if op == "fusion" else op
       component = gpu_trace.component(op_names[name])[0] if name in op_names else "other"
-      out.append(Launch(component, kind, runs, size))
+      out.append(Launch(component, kind, runs, cost[name].bytes))
   return out
+
+
+def costs(hlo_text: str) -> dict[str, Cost]:
+  """Each launch instruction's `Cost` a run, by name: what a trace's kernels did per second."""
+  comps, entry = _computations(hlo_text)
+  return _costs(comps, _runs(comps, entry))
+
+
+def _costs(comps, step) -> dict[str, Cost]:
+  """The launches' costs in the computations a step runs (`_runs`), fusions' insides not."""
+  sizes = {name: shape_bytes(shape) for insts in comps.values() for name, shape, *_ in insts}
+  dims = {name: _dims(shape) for insts in comps.values() for name, shape, *_ in insts}
+  out = {}
+  for name, shape, op, operands, line in (i for c in step for i in comps.get(c, [])):
+    if op not in _LAUNCHES:
+      continue
+    args = re.findall(r"%([\w.\-]+)", operands.split("),")[0])
+    if op == "custom-call" or "gemm" in name or "__cublas" in line:
+      out[name] = Cost(0, _gemm_flops(line, dims[name], dims.get(args[0]) if args else None))
+      continue
+    reads = [sizes.get(o, 0) for o in args]
+    if "dynamic_update_slice" in name or op == "dynamic-update-slice":
+      size = 2 * (sum(reads) - max(reads, default=0))   # in place: the update only
+    elif "dynamic_slice" in name or op == "dynamic-slice":
+      size = 2 * sizes[name]
+    else:
+      size = sizes[name] + sum(reads)
+    out[name] = Cost(size, 0)
+  return out
+
+
+def _dims(shape: str) -> list[int] | None:
+  """The first array's dimensions of an HLO shape: "(bf16[8,4]{1,0}, s8[64])" -> [8, 4]."""
+  m = re.search(r"\b[a-z]+[0-9a-z]*\[([\d,]*)\]", shape)
+  return [int(d) for d in m.group(1).split(",") if d] if m else None
+
+
+def _gemm_flops(line: str, out: list[int] | None, lhs: list[int] | None) -> int:
+  """2 x the output's elements x the contracted size, from a cuBLAS call's dot dimensions."""
+  contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', line)
+  if "__cublas" not in line or not (contracting and out and lhs):
+    return 0
+  k = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting.group(1)))
+  return 2 * math.prod(out) * k
 
 
 def tables(found: list[Launch], bandwidth: float) -> list[str]:

@@ -96,7 +96,38 @@ def test_kernels_in_a_command_buffer_follow_the_schedule():
   # one row per kernel, component, phase and result shape; the memset has no instruction
   ops = "\n".join(gpu_trace.op_table(kernels, hlo))
   assert "| `sm90_xmma_gemm_bf16` | mla | backward | f32[4] | 30.0 | 1 |" in ops, ops
-  assert "| `Memset 0` | kda | forward |  | 2.0 | 1 |" in ops, ops
+  assert "| `Memset 0` | kda | forward |  | 2.0 | 1 |  |" in ops, ops
+  # with each launch's work, its rate: TFLOP/s of a matmul, GB/s of the rest
+  work = {"custom-call.5": hlo_launches.Cost(0, 3 * 10**10),
+          "fusion.6": hlo_launches.Cost(8 * 10**6, 0)}
+  ops = "\n".join(gpu_trace.op_table(kernels, hlo, work))
+  assert "| `sm90_xmma_gemm_bf16` | mla | backward | f32[4] | 30.0 | 1 | 1 TFLOP/s |" in ops
+  assert "| `fusion_6` | optimizer | update | f32[4] | 8.0 | 1 | 1 GB/s |" in ops, ops
+  assert gpu_trace.rates(kernels, hlo, work) == (
+      "elementwise launches 8.0 ms, 0.0 GB, 1 GB/s; cuBLAS matmuls 30.0 ms, 0.0 TFLOP, "
+      "1 TFLOP/s")
+
+
+def test_costs_are_a_fusions_bytes_and_a_matmuls_flops():
+  """A run's cost: an elementwise launch reads its operands and writes its result; a cuBLAS
+  call does 2 m n k FLOPs (k from its dot dimensions), [64, 16] x [16, 32] here."""
+  text = "\n".join([
+      "HloModule m, is_scheduled=true",
+      "",
+      "ENTRY %main (x: bf16[64,16], w: bf16[16,32]) -> f32[64,32] {",
+      "  %x = bf16[64,16]{1,0} parameter(0)",
+      "  %w = bf16[16,32]{1,0} parameter(1)",
+      '  %custom-call.1 = (bf16[64,32]{1,0}, s8[64]{0}) custom-call(%x, %w), '
+      'custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":'
+      '{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],'
+      '"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]}}}',
+      "  %gte = bf16[64,32]{1,0} get-tuple-element(%custom-call.1), index=0",
+      "  ROOT %fusion.2 = f32[64,32]{1,0} fusion(%gte), kind=kLoop, calls=%fused",
+      "}",
+  ])
+  costs = hlo_launches.costs(text)
+  assert costs["custom-call.1"] == hlo_launches.Cost(0, 2 * 64 * 32 * 16)
+  assert costs["fusion.2"] == hlo_launches.Cost(64 * 32 * (4 + 2), 0)
 
 
 def test_a_cpu_trace_of_a_scoped_step_is_split_by_component(tmp_path):
