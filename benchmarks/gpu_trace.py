@@ -220,7 +220,9 @@ def attribute(kernels: list[Kernel], hlo: Hlo) -> list[Attribution]:
   library or custom kernel inside a command buffer (a CUDA graph runs them and they name
   only the buffer): the first custom call of its kind after the previous located kernel in
   that computation's schedule; "neighbour" where that finds none: the previous kernel's op
-  in the same buffer."""
+  in the same buffer. XLA compiles identical fusions once, under the first one's name: a
+  kernel so named at or before the last located one stands for the next fusion of the
+  same kind and shape after it (`_twin`), so the schedule keeps moving forward."""
   def own(k):
     return next((n for n in (k.hlo_op, k.name, re.sub(r"_(\d+)$", r".\1", k.name))
                  if n in hlo.op_names), None)
@@ -237,6 +239,9 @@ def attribute(kernels: list[Kernel], hlo: Hlo) -> list[Attribution]:
     for i in members:
       op, how, inst = found[i]
       if op:
+        if inst and inst != kernels[i].hlo_op and (twin := _twin(hlo, cursor, inst)):
+          found[i] = (hlo.op_names.get(twin, op), how, twin)
+          op, inst = found[i][0], twin
         cursor = hlo.where.get(inst, cursor) if inst else cursor
         last_op = op
         continue
@@ -254,6 +259,20 @@ def attribute(kernels: list[Kernel], hlo: Hlo) -> list[Attribution]:
       elif last_op:
         found[i] = (last_op, "neighbour", None)
   return [Attribution(op, how, inst or "") for op, how, inst in found]
+
+
+def _twin(hlo: Hlo, cursor, inst: str) -> str | None:
+  """For a kernel named after `inst` where `inst` sits at or before `cursor` in the same
+  computation: the first instruction after the cursor of inst's kind (its name without
+  the number) and result shape; None otherwise (a later instruction, or a new pass)."""
+  where = hlo.where.get(inst)
+  if cursor is None or where is None or where[0] != cursor[0] or where[1] > cursor[1]:
+    return None
+  kind = re.sub(r"\.\d+$", "", inst)
+  order = hlo.order[cursor[0]]
+  return next((name for name, _ in order[cursor[1] + 1:]
+               if re.sub(r"\.\d+$", "", name) == kind and
+               hlo.shapes.get(name) == hlo.shapes.get(inst)), None)
 
 
 def component_table(kernels: list[Kernel], hlo: Hlo) -> list[str]:

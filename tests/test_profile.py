@@ -130,6 +130,32 @@ def test_costs_are_a_fusions_bytes_and_a_matmuls_flops():
   assert costs["fusion.2"] == hlo_launches.Cost(64 * 32 * (4 + 2), 0)
 
 
+def test_a_reused_fusion_kernel_keeps_the_schedule_moving():
+  """XLA compiles identical fusions once, under the first one's name: in a CUDA graph the
+  second layer's add runs as kernel fusion_1. It stands for the next add of that shape, so
+  the second layer's Triton kernel is that layer's, not the first's again."""
+  def fusion(n, scope):
+    return (f"  %fusion.{n} = f32[4]{{0}} fusion(%a), kind=kLoop, calls=%add_computation, "
+            f'metadata={{op_name="jit(train_step)/{scope}/add"}}')
+
+  def triton(n, scope):
+    return (f'  %custom-call.{n} = f32[4]{{0}} custom-call(%fusion.{n - 1}), custom_call_target='
+            f'"__gpu$xla.gpu.triton", backend_config={{ir = "...", name = "k"}}, '
+            f'metadata={{op_name="jit(train_step)/{scope}/pallas_call"}}')
+
+  hlo = gpu_trace.parse_hlo("\n".join([
+      "HloModule m, is_scheduled=true", "",
+      "ENTRY %main.9 (a: f32[4]) -> f32[4] {", "  %a = f32[4]{0} parameter(0)",
+      fusion(1, "kda"), triton(2, "kda"), fusion(3, "mla"),
+      "  ROOT " + triton(4, "mla").strip(), "}"]))
+  kernels = [gpu_trace.Kernel(name, 10.0 * i, 5.0, "command_buffer_7", "")
+             for i, name in enumerate(["fusion_1", "k", "fusion_1", "k"])]
+  got = [(a.instruction, gpu_trace.component(a.op_name)[0])
+         for a in gpu_trace.attribute(kernels, hlo)]
+  assert got == [("fusion.1", "kda"), ("custom-call.2", "kda"), ("fusion.3", "mla"),
+                 ("custom-call.4", "mla")], got
+
+
 def test_a_cpu_trace_of_a_scoped_step_is_split_by_component(tmp_path):
   """End to end on this machine: the profiler's trace of a jitted gradient step whose parts
   run under the model's scope names, the compiled HLO beside it."""
