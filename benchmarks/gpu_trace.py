@@ -28,6 +28,7 @@ Reads the Perfetto copy that `jax.profiler.trace(..., create_perfetto_trace=True
 from __future__ import annotations
 
 import collections
+import functools
 import gzip
 import json
 import pathlib
@@ -268,11 +269,16 @@ def _twin(hlo: Hlo, cursor, inst: str) -> str | None:
   where = hlo.where.get(inst)
   if cursor is None or where is None or where[0] != cursor[0] or where[1] > cursor[1]:
     return None
-  kind = re.sub(r"\.\d+$", "", inst)
+  kind, shape = _kind(inst), hlo.shapes.get(inst)
   order = hlo.order[cursor[0]]
   return next((name for name, _ in order[cursor[1] + 1:]
-               if re.sub(r"\.\d+$", "", name) == kind and
-               hlo.shapes.get(name) == hlo.shapes.get(inst)), None)
+               if _kind(name) == kind and hlo.shapes.get(name) == shape), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _kind(instruction: str) -> str:
+  """An instruction's name without its number: loop_add_fusion.63 -> loop_add_fusion."""
+  return re.sub(r"\.\d+$", "", instruction)
 
 
 def component_table(kernels: list[Kernel], hlo: Hlo) -> list[str]:
