@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import functools
 import gzip
+import itertools
 import json
 import pathlib
 import re
@@ -270,8 +271,8 @@ def _twin(hlo: Hlo, cursor, inst: str) -> str | None:
   if cursor is None or where is None or where[0] != cursor[0] or where[1] > cursor[1]:
     return None
   kind, shape = _kind(inst), hlo.shapes.get(inst)
-  order = hlo.order[cursor[0]]
-  return next((name for name, _ in order[cursor[1] + 1:]
+  after = itertools.islice(hlo.order[cursor[0]], cursor[1] + 1, None)   # no copy
+  return next((name for name, _ in after
                if _kind(name) == kind and hlo.shapes.get(name) == shape), None)
 
 
@@ -281,11 +282,12 @@ def _kind(instruction: str) -> str:
   return re.sub(r"\.\d+$", "", instruction)
 
 
-def component_table(kernels: list[Kernel], hlo: Hlo) -> list[str]:
+def component_table(kernels: list[Kernel], hlo: Hlo,
+                    attributed: list[Attribution] | None = None) -> list[str]:
   """Markdown rows: kernel ms per component and phase, the component's share, then idle
-  and how the kernels were attributed (`attribute`)."""
+  and how the kernels were attributed (`attribute`, unless given)."""
   ms, how_ms = collections.defaultdict(float), collections.Counter()
-  for k, (op, how, _) in zip(kernels, attribute(kernels, hlo)):
+  for k, (op, how, _) in zip(kernels, attributed or attribute(kernels, hlo)):
     comp, phase = component(op) if op else ("unattributed", "forward")
     ms[comp, phase] += k.dur / 1e3
     how_ms[how or "unattributed"] += k.dur / 1e3
@@ -309,13 +311,13 @@ def component_table(kernels: list[Kernel], hlo: Hlo) -> list[str]:
   return rows
 
 
-def op_table(kernels: list[Kernel], hlo: Hlo, costs: dict | None = None,
-             top: int = 25) -> list[str]:
+def op_table(kernels: list[Kernel], hlo: Hlo, costs: dict | None = None, top: int = 25,
+             attributed: list[Attribution] | None = None) -> list[str]:
   """Markdown rows: the `top` heaviest groups of launches of one kernel for one component,
   phase and HLO result shape (`attribute`). costs (`hlo_launches.costs`): also the rate of
   the launches whose instruction has one: TFLOP/s of a cuBLAS matmul, GB/s of the rest."""
   groups = collections.defaultdict(lambda: [0.0, 0, 0.0, 0, 0])  # us, calls, costed us, B, F
-  for k, (op, _, inst) in zip(kernels, attribute(kernels, hlo)):
+  for k, (op, _, inst) in zip(kernels, attributed or attribute(kernels, hlo)):
     comp, phase = component(op) if op else ("unattributed", "")
     g = groups[k.name, comp, phase, hlo.shapes.get(inst, "")]
     g[0] += k.dur
@@ -334,11 +336,12 @@ def op_table(kernels: list[Kernel], hlo: Hlo, costs: dict | None = None,
   return rows
 
 
-def rates(kernels: list[Kernel], hlo: Hlo, costs: dict) -> str:
+def rates(kernels: list[Kernel], hlo: Hlo, costs: dict,
+          attributed: list[Attribution] | None = None) -> str:
   """One line: the time, work and rate of the launches `costs` prices: XLA's elementwise
   launches (GB moved) and cuBLAS's matmuls (TFLOP)."""
   us, work = [0.0, 0.0], [0, 0]
-  for k, (_, _, inst) in zip(kernels, attribute(kernels, hlo)):
+  for k, (_, _, inst) in zip(kernels, attributed or attribute(kernels, hlo)):
     cost = costs.get(inst)
     if cost and (cost.bytes or cost.flops):
       i = 1 if cost.flops else 0
@@ -378,10 +381,10 @@ def main(argv):
     text = hlo[-1].read_text()
     program = parse_hlo(text)
     import hlo_launches  # noqa: PLC0415  (it reads components from this module)
-    costs = hlo_launches.costs(text)
-    print("\n".join(component_table(kernels, program)), "\n")
-    print("\n".join(op_table(kernels, program, costs)), "\n")
-    print(rates(kernels, program, costs), "\n")
+    costs, attributed = hlo_launches.costs(text), attribute(kernels, program)  # once
+    print("\n".join(component_table(kernels, program, attributed)), "\n")
+    print("\n".join(op_table(kernels, program, costs, attributed=attributed)), "\n")
+    print(rates(kernels, program, costs, attributed), "\n")
   total = sum(k.dur for k in kernels)
   by_kind, by_name = collections.defaultdict(list), collections.defaultdict(list)
   for name, _, dur, *_ in kernels:

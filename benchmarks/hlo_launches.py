@@ -2,7 +2,8 @@
 fusion, a library or kernel call, a copy) by model component (`gpu_trace.component`), how
 many times a step runs it (the trip counts of the loops around it), and the bytes an
 elementwise launch reads and writes: a floor on its time at the GPU's bandwidth. No GPU
-needed; `gpu_compile.py` prints the tables. Matmuls and kernels are counted, not costed."""
+needed; `gpu_compile.py` prints the tables. `costs` also gives a cuBLAS matmul's FLOPs (for
+`gpu_trace.py`'s rates); other kernels are counted, not costed."""
 
 from __future__ import annotations
 

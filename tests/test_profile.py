@@ -103,6 +103,10 @@ def test_kernels_in_a_command_buffer_follow_the_schedule():
   ops = "\n".join(gpu_trace.op_table(kernels, hlo, work))
   assert "| `sm90_xmma_gemm_bf16` | mla | backward | f32[4] | 30.0 | 1 | 1 TFLOP/s |" in ops
   assert "| `fusion_6` | optimizer | update | f32[4] | 8.0 | 1 | 1 GB/s |" in ops, ops
+  # an attribution computed once serves every table alike
+  once = gpu_trace.attribute(kernels, hlo)
+  assert gpu_trace.op_table(kernels, hlo, work, attributed=once) == ops.splitlines()
+  assert gpu_trace.rates(kernels, hlo, work, once) == gpu_trace.rates(kernels, hlo, work)
   assert gpu_trace.rates(kernels, hlo, work) == (
       "elementwise launches 8.0 ms, 0.0 GB, 1 GB/s; cuBLAS matmuls 30.0 ms, 0.0 TFLOP, "
       "1 TFLOP/s")
