@@ -116,6 +116,7 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
   # (attn_res.scan_saves "partial" without remat runs the same custom VJP as with it)
   for changes, tol in (({"scan_layers": False}, 1e-5), ({"remat": "full"}, 1e-4),
                        ({"remat": "dots"}, 1e-4), ({"remat": "kernels"}, 1e-4),
+                       ({"remat": "elementwise"}, 1e-4),
                        ({"remat": "full", "remat_scope": "layer"}, 1e-4),
                        ({"remat": "full", "remat_save": ",".join(SAVEABLE)}, 1e-4),
                        ({"scan_layers": False, "remat": "kernels",   # k3_small's
@@ -231,6 +232,25 @@ def test_remat_save_keeps_the_named_values_out_of_the_recompute(save, fewer):
 
   full, kept = counts(), counts(remat_save=save)
   assert {key: full[key] - kept[key] for key in full} == {"sorts": 0, **fewer}
+
+
+def test_elementwise_remat_keeps_less_for_the_backward_than_none():
+  """remat "elementwise": no region, but the GLU activations keep only their inputs for the
+  backward (`remat.recomputed`): fewer and smaller residuals than "none" (the gradients
+  are equal: `test_scan_equals_unrolled_and_remat_keeps_gradients`)."""
+  tokens, seg = np.zeros((2, 40), np.int32), np.ones((2, 40), np.int32)
+
+  def residuals(remat):
+    cfg = _scan_config(remat=remat, scan_layers=False)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Model(cfg.model, rngs=nnx.Rngs(0))))
+
+    def loss(state):
+      return jnp.sum(nnx.merge(graphdef, state)(tokens, seg)[0].astype(jnp.float32))
+    kept = jax.eval_shape(lambda s: jax.tree.leaves(jax.vjp(loss, s)[1]), state)
+    return len(kept), sum(x.size * x.dtype.itemsize for x in kept)
+
+  (n_none, bytes_none), (n_elem, bytes_elem) = residuals("none"), residuals("elementwise")
+  assert n_elem < n_none and bytes_elem < bytes_none, (n_none, bytes_none, n_elem, bytes_elem)
 
 
 def test_equal_configs_build_equal_graphdefs():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.model.situ_glu import GLUMLP, situ_glu, swiglu
+from k3jax.model.situ_glu import GLUMLP, glu_activation, situ_glu, swiglu
 
 B1, B2 = 4.0, 25.0
 
@@ -47,6 +47,21 @@ def test_values_and_grads_match_closed_form(scale):
   # fp32 autodiff forms 1 - tanh^2 near saturation: absolute error grows with the scale
   np.testing.assert_allclose(np.asarray(dg), rdg, rtol=1e-4, atol=1e-5 * scale)
   np.testing.assert_allclose(np.asarray(dv), rdv, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("name, fn", [("situ_glu", situ_glu), ("swiglu", swiglu)])
+def test_the_activation_keeps_only_its_bf16_inputs_for_its_backward(name, fn):
+  """recompute=True (`model.remat="elementwise"`): the activation keeps g and v for its
+  backward, not autodiff's fp32 intermediates; its gradients are autodiff's, bit for bit."""
+  g, v = (jnp.asarray(x, jnp.bfloat16) for x in inputs(3.0))
+  act = glu_activation(name, recompute=True)
+  kept = lambda f: [(x.dtype, x.shape) for x in jax.tree.leaves(jax.vjp(f, g, v)[1])]
+  assert kept(act) == [(jnp.bfloat16, g.shape)] * 2
+  assert (jnp.float32, g.shape) in kept(fn)   # what plain autodiff keeps
+  loss = lambda f: jax.jit(jax.grad(lambda g, v: jnp.sum(jnp.sin(f(g, v))), argnums=(0, 1)))
+  for got, want in zip(loss(act)(g, v), loss(fn)(g, v)):
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_custom_caps():

@@ -65,6 +65,7 @@ class LatentMoE(nnx.Module):
     # the routed experts' quantization in every forward (train.cast_params_once: in the step)
     self.expert_quant = "" if e.expert_quant == "none" else e.expert_quant
     self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
+    self.recompute = cfg_model.remat == "elementwise"   # the activations', `glu_activation`
 
     # The router is stored and applied in fp32 whatever the model dtypes.
     self.router = Dense(d, n_exp, ("embed", "experts"), rngs=rngs, dtype=jnp.float32,
@@ -85,7 +86,8 @@ class LatentMoE(nnx.Module):
     self.w_up = Dense(lat, d, ("latent", "embed"), rngs=rngs, dtype=dtype, param_dtype=pdt)
     self.shared = nnx.List([
         GLUMLP(d, e.shared_dim, activation=f.activation, b1=f.situ_b1, b2=f.situ_b2,
-               axes_in="embed", rngs=rngs, dtype=dtype, param_dtype=pdt)
+               axes_in="embed", recompute=self.recompute, rngs=rngs, dtype=dtype,
+               param_dtype=pdt)
         for _ in range(e.num_shared)])
 
   def expert_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -108,7 +110,7 @@ class LatentMoE(nnx.Module):
     x = x.astype(self.dtype)
 
     z = keep("moe_latent", constrain(self.w_down(x), ("batch", "seq", "latent")))  # [B, T, L]
-    act = glu_activation(self.activation, self.b1, self.b2)
+    act = glu_activation(self.activation, self.b1, self.b2, self.recompute)
     flat_valid = valid.reshape(n)
     w = weights * self.routed_scaling
     mesh = axes.current_mesh()

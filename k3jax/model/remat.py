@@ -2,7 +2,9 @@
 
 `model.remat` is the base policy of each region (a scanned cycle; each layer too with
 `remat_scope="layer"`). `model.remat_save` names values kept on top of it: the model tags
-them with `keep(name, x)`; each costs a matmul or a kernel to recompute and little to hold."""
+them with `keep(name, x)`; each costs a matmul or a kernel to recompute and little to hold.
+"elementwise" sets no region: autodiff keeps what it needs, except that the GLU activations
+are `recomputed` from their bf16 inputs (XLA would keep their tanh and sigmoid in fp32)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def _kernel_outputs(prim, *_, **params):
 
 POLICIES = {
     "none": None,
+    "elementwise": None,   # no region; the GLU modules' `recompute`
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "kernels": _kernel_outputs,
@@ -53,6 +56,26 @@ SAVEABLE = {
     "layer_out": "each layer's mixer and FFN outputs [B, T, d], what the residual stream "
                  "or AttnRes adds",
 }
+
+
+def recomputed(fn):
+  """fn(*arrays) whose backward recomputes it from its inputs: for an elementwise function
+  autodiff would keep its fp32 intermediates (4 bytes an element each, where a bf16 input
+  holds 2). The barrier on the inputs keeps XLA from merging the recomputation into the
+  forward's (which would keep them again); unlike `jax.checkpoint`'s, it leaves the incoming
+  cotangent free to fuse into the backward."""
+  @jax.custom_vjp
+  def f(*args):
+    return fn(*args)
+
+  def fwd(*args):
+    return fn(*args), args
+
+  def bwd(args, cot):
+    return jax.vjp(fn, *jax.lax.optimization_barrier(args))[1](cot)
+
+  f.defvjp(fwd, bwd)
+  return f
 
 
 def keep(name: str, x: jax.Array) -> jax.Array:
