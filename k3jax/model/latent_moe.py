@@ -65,7 +65,7 @@ class LatentMoE(nnx.Module):
     # the routed experts' quantization in every forward (train.cast_params_once: in the step)
     self.expert_quant = "" if e.expert_quant == "none" else e.expert_quant
     self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
-    self.recompute = cfg_model.remat == "elementwise"   # the activations', `glu_activation`
+    self.recompute = cfg_model.remat == "elementwise"   # GLU activations: `glu_activation`
 
     # The router is stored and applied in fp32 whatever the model dtypes.
     self.router = Dense(d, n_exp, ("embed", "experts"), rngs=rngs, dtype=jnp.float32,

@@ -59,11 +59,11 @@ SAVEABLE = {
 
 
 def recomputed(fn):
-  """fn(*arrays) whose backward recomputes it from its inputs: for an elementwise function
-  autodiff would keep its fp32 intermediates (4 bytes an element each, where a bf16 input
-  holds 2). The barrier on the inputs keeps XLA from merging the recomputation into the
-  forward's (which would keep them again); unlike `jax.checkpoint`'s, it leaves the incoming
-  cotangent free to fuse into the backward."""
+  """fn(*arrays) whose backward recomputes it from its inputs: of an elementwise function
+  the compiled program would otherwise keep fp32 intermediates (4 bytes an element each,
+  where a bf16 input holds 2). The barrier on the inputs keeps XLA from merging the
+  recomputation into the forward's (which would keep them again); unlike `jax.checkpoint`'s,
+  it leaves the incoming cotangent free to fuse into the backward."""
   @jax.custom_vjp
   def f(*args):
     return fn(*args)
