@@ -4,7 +4,7 @@
 `remat_scope="layer"`). `model.remat_save` names values kept on top of it: the model tags
 them with `keep(name, x)`; each costs a matmul or a kernel to recompute and little to hold.
 "elementwise" sets no region: autodiff keeps what it needs, except that the GLU activations
-are `recomputed` from their bf16 inputs (XLA would keep their tanh and sigmoid in fp32)."""
+are `recomputed` from their bf16 inputs (XLA would keep fp32 values of their tanh terms)."""
 
 from __future__ import annotations
 
