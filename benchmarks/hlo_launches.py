@@ -28,15 +28,13 @@ class Launch(NamedTuple):
   bytes: int       # an elementwise launch's reads + writes, a run (0: a matmul or kernel)
 
 
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")   # an array in a shape: dtype, dims
+
+
 def shape_bytes(shape: str) -> int:
   """Bytes of an HLO shape, tuples summed: "(f32[2,3]{1,0}, bf16[4])" -> 32."""
-  total = 0
-  for dtype, dims in re.findall(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]", shape):
-    n = 1
-    for d in filter(None, dims.split(",")):
-      n *= int(d)
-    total += n * DTYPE_BYTES.get(dtype, 0)
-  return total
+  return sum(math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES.get(dtype, 0)
+             for dtype, dims in _ARRAY.findall(shape))
 
 
 def _computations(hlo_text: str):
@@ -139,8 +137,8 @@ def _costs(comps, step) -> dict[str, Cost]:
 
 def _dims(shape: str) -> list[int] | None:
   """The first array's dimensions of an HLO shape: "(bf16[8,4]{1,0}, s8[64])" -> [8, 4]."""
-  m = re.search(r"\b[a-z]+[0-9a-z]*\[([\d,]*)\]", shape)
-  return [int(d) for d in m.group(1).split(",") if d] if m else None
+  m = _ARRAY.search(shape)
+  return [int(d) for d in m.group(2).split(",") if d] if m else None
 
 
 def _gemm_flops(line: str, out: list[int] | None, lhs: list[int] | None) -> int:

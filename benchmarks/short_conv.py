@@ -15,6 +15,7 @@ Run on the H200 (fla carried as wheels, see /work/shared/ANCHORS.md):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -120,8 +121,7 @@ def main():
       exact = run_jax(inp, short_conv_reference, normalize, 1, dtype=jnp.float32)
       runs = {"reference": lambda: run_jax(inp, short_conv_reference, normalize, a.reps)}
       for bt in map(int, a.blocks.split(",")):
-        fn = lambda *args, bt=bt, **kw: short_conv_pallas(*args, block_t=bt,
-                                                          interpret=a.interpret, **kw)
+        fn = functools.partial(short_conv_pallas, block_t=bt, interpret=a.interpret)
         runs[f"ours bt{bt}"] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)
       if a.peer == "fla":
         runs["fla"] = lambda: run_fla(inp, normalize, a.reps)

@@ -68,7 +68,7 @@ class Layer(nnx.Module):
     else:
       f = cfg_model.ffn
       self.ffn = GLUMLP(d, f.hidden_dim, activation=f.activation, b1=f.situ_b1, b2=f.situ_b2,
-                        recompute=cfg_model.remat == "elementwise", rngs=rngs,
+                        recompute=remat.recomputes_activations(cfg_model.remat), rngs=rngs,
                         dtype=jnp.dtype(cfg_model.dtype), param_dtype=pdt)
     self.is_moe = ffn == "moe"
     self.is_mla = mixer == "mla"

@@ -28,7 +28,7 @@ from k3jax.model.expert_parallel import (expert_parallel_dropless_moe, expert_pa
 from k3jax.model.layers import ComputeView, Dense, RMSNorm, normal, param
 from k3jax.model.moe_dispatch import (batched_glu_experts, capacity_moe, dropless_moe,
                                       grouped_kernel_fits, ragged_glu_experts, resolve_dispatch)
-from k3jax.model.remat import keep
+from k3jax.model.remat import keep, recomputes_activations
 from k3jax.model.situ_glu import GLUMLP, glu_activation
 from pallas_kernels.platform import target_platform
 
@@ -65,7 +65,7 @@ class LatentMoE(nnx.Module):
     # the routed experts' quantization in every forward (train.cast_params_once: in the step)
     self.expert_quant = "" if e.expert_quant == "none" else e.expert_quant
     self.activation, self.b1, self.b2 = f.activation, f.situ_b1, f.situ_b2
-    self.recompute = cfg_model.remat == "elementwise"   # GLU activations: `glu_activation`
+    self.recompute = recomputes_activations(cfg_model.remat)
 
     # The router is stored and applied in fp32 whatever the model dtypes.
     self.router = Dense(d, n_exp, ("embed", "experts"), rngs=rngs, dtype=jnp.float32,

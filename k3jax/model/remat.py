@@ -78,6 +78,11 @@ def recomputed(fn):
   return f
 
 
+def recomputes_activations(remat: str) -> bool:
+  """Whether `model.remat` has the GLU activations `recomputed` ("elementwise")."""
+  return remat == "elementwise"
+
+
 def keep(name: str, x: jax.Array) -> jax.Array:
   """x, tagged `name` (one of SAVEABLE) for `model.remat_save`."""
   if name not in SAVEABLE:
