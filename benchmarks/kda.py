@@ -42,7 +42,7 @@ VARIANTS = {"save": dict(save_states=True), "recompute": dict(save_states=False)
             "preptf32": dict(prep_precision="tf32"),
             "preptf32x3": dict(prep_precision="tf32x3"),
             "nost": dict(states_block_v=0, states_warps=0),
-            "softplus": dict(bounded_gate=False),
+            "softplus": dict(bounded_gate=False), "noinv": dict(save_inverse=False),
             **{f"s{n}": dict(spans=n) for n in (1, 2, 4, 8, 16, 32, 64)}}
 
 
@@ -265,17 +265,17 @@ def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, int
   if blocks.heads_major(cfg.platform):
     do = do.swapaxes(1, 2)
   dst = jnp.swapaxes(jnp.asarray(x["dht"]), -1, -2)
-  w, u, a, qs, ks, dec = prep
+  w, u, a, qs, ks, dec = rec = prep.recurrence
   for name, kw in rec_variants.items():
     c = dataclasses.replace(cfg, **kw)
     if Tp % (c.chunk * c.spans):
       print(f"  {name}: {c.spans} spans do not divide {Tp // c.chunk} chunks", flush=True)
       continue
     timed(f"recurrence fwd[{name}]",
-          lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, True), (*prep, st0))
+          lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, True), (*rec, st0))
     timed(f"recurrence fwd[{name}, no states]",
-          lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, False), (*prep, st0))
-    t = jax.jit(lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, False)[3])(*prep, st0)
+          lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, False), (*rec, st0))
+    t = jax.jit(lambda *a, c=c: spans.forward(c, *a, jnp.bfloat16, False)[3])(*rec, st0)
     timed(f"recurrence bwd[{name}]", lambda *a, c=c: spans.backward(c, *a),
           (w, a, qs, ks, dec, do, dst, t))
   for name, kw in span_variants.items():  # the spans' forward, piece by piece
@@ -285,8 +285,8 @@ def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, int
     timed(f"chain[{name}]", lambda *a, c=c: spans.chain(c, *a, reverse=False), (t, t, st0))
     entering = jax.jit(lambda *a, c=c: spans.chain(c, *a, reverse=False)[0])(t, t, st0)
     timed(f"rec_fwd from the spans' states[{name}, no states]",
-          lambda *a, c=c: recurrence.rec_fwd(c, *a, jnp.bfloat16, False), (*prep, entering))
-  _, _, states, t = jax.jit(lambda *a: spans.forward(cfg, *a, jnp.bfloat16, True))(*prep, st0)
+          lambda *a, c=c: recurrence.rec_fwd(c, *a, jnp.bfloat16, False), (*rec, entering))
+  _, _, states, t = jax.jit(lambda *a: spans.forward(cfg, *a, jnp.bfloat16, True))(*rec, st0)
   dvn, dstates, _ = jax.jit(lambda *a: spans.backward(cfg, *a))(w, a, qs, ks, dec, do, dst, t)
   for warps in cots_warps:
     c = dataclasses.replace(cfg, cots_warps=warps)
@@ -296,8 +296,10 @@ def breakdown(shape, variants, rec_variants, cots_warps, bwd_variants, reps, int
       w, u, states, dstates, do, dvn)
   for name, kw in bwd_variants.items():
     c = dataclasses.replace(cfg, **kw)
-    timed(f"chunk_bwd[{name}]", lambda *a, c=c: chunk_kernels.chunk_bwd(c, *a),
-          (q, k, v, g, beta, *masks, dw, dvn, da, dqs, dks, ddec))
+    inverse = (jax.jit(lambda *a, c=c: chunk_kernels.prep(c, *a).inverse)(
+        q, k, v, g, beta, *masks) if c.save_inverse else None)
+    timed(f"chunk_bwd[{name}]", lambda *a, c=c, i=inverse: chunk_kernels.chunk_bwd(
+        c, *a, inverse=i), (q, k, v, g, beta, *masks, dw, dvn, da, dqs, dks, ddec))
 
 
 def parse_args():
@@ -325,8 +327,8 @@ def parse_args():
                  help="with --layer: backend:chunk_size[:conv_backend] items to time")
   p.add_argument("--profile", default=None, help="trace our variants (or with --layer, the "
                  "layer) to this folder and print the costliest device ops")
-  p.add_argument("--prep", default="w4:tf32,w4:tf32x3",
-                 help="prep tunings for --breakdown: warps:prep_precision items")
+  p.add_argument("--prep", default="w4:tf32,w4:tf32:noinv",
+                 help="prep tunings for --breakdown: warps:prep_precision[:noinv] items")
   p.add_argument("--rec", default="w4:bv64,w4:bv32",
                  help="recurrence tunings for --breakdown: warps:block_v[:spans] items "
                       "(w2:bv32, w4:bv64:s16)")
@@ -334,8 +336,8 @@ def parse_args():
   p.add_argument("--spans", default="",
                  help="spans-forward tunings for --breakdown: warps:block:spans items, the "
                       "block for the transitions' rows, the chain and rec_fwd alike")
-  p.add_argument("--bwd", default="w8:tf32,w4:tf32",
-                 help="chunk_bwd tunings for --breakdown: warps:bwd_precision items")
+  p.add_argument("--bwd", default="w8:tf32,w4:tf32,w8:tf32:noinv",
+                 help="chunk_bwd tunings for --breakdown: warps:bwd_precision[:noinv] items")
   return p.parse_args()
 
 
@@ -349,9 +351,13 @@ def parse_variants(spec, interpret):
 
 
 def tunings(spec, kernel):
-  """--prep / --bwd "w4:tf32x3,w8:tf32" -> {item: {kernel_warps, kernel_precision}}."""
-  return {item: {f"{kernel}_warps": int(item.split(":")[0][1:]),
-                 f"{kernel}_precision": item.split(":")[1]} for item in spec.split(",")}
+  """--prep / --bwd "w4:tf32x3,w8:tf32:noinv" -> {item: {kernel_warps, kernel_precision}};
+  a third field "noinv": without `Config.save_inverse` (chunk_bwd recomputes the inverse)."""
+  def tuning(item):
+    warps, precision, *rest = item.split(":")
+    return {f"{kernel}_warps": int(warps[1:]), f"{kernel}_precision": precision,
+            "save_inverse": rest != ["noinv"]}
+  return {item: tuning(item) for item in spec.split(",")}
 
 
 def rec_tuning(item):

@@ -86,8 +86,10 @@ def lower_short_conv(dim, tuning):
 
 
 def resources(text, warps):
-  """(registers, spill stack bytes, shared memory bytes) per thread / block of one kernel
-  compiled for sm_90 at `warps` warps."""
+  """(registers, spill stack bytes, shared memory bytes, SASS instructions, of them tensor-core
+  HMMA) per thread / block / kernel of one kernel compiled for sm_90 at `warps` warps. The
+  instruction counts are static: a loop-free kernel (prep, chunk_cots, chunk_bwd) issues each
+  once per warp, so fewer means a shorter program."""
   import triton  # noqa: PLC0415
   from triton.backends.compiler import GPUTarget  # noqa: PLC0415
   os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -103,8 +105,12 @@ def resources(text, warps):
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True,
                            text=True, check=True).stdout
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True,
+                          check=True).stdout
   field = lambda name: int(re.search(rf"{name}:(\d+)", usage).group(1))
-  return field("REG"), field("STACK"), kernel.metadata.shared
+  instructions = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+  hmma = sum(op.startswith("HMMA") for op in instructions)
+  return field("REG"), field("STACK"), kernel.metadata.shared, len(instructions), hmma
 
 
 def main():
@@ -124,11 +130,13 @@ def main():
   else:
     modules = triton_modules(lambda: lower_short_conv(a.dim, tuning))
     print(f"short conv, D = {a.dim}, {tuning or 'defaults'}; sm_90, triton (PyPI)")
-  print("| kernel | warps | registers | spill stack B | shared KiB |\n|---|---|---|---|---|")
+  print("| kernel | warps | registers | spill stack B | shared KiB | instructions | HMMA |\n"
+        "|---|---|---|---|---|---|---|")
   for name, text in modules.items():
     for warps in map(int, a.warps.split(",")):
-      regs, stack, shared = resources(text, warps)
-      print(f"| {name} | {warps} | {regs} | {stack} | {shared / 1024:.1f} |", flush=True)
+      regs, stack, shared, count, hmma = resources(text, warps)
+      print(f"| {name} | {warps} | {regs} | {stack} | {shared / 1024:.1f} | {count:,} | "
+            f"{hmma:,} |", flush=True)
 
 
 if __name__ == "__main__":

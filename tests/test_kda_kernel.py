@@ -211,6 +211,49 @@ def test_hand_derived_prep_vjp_is_autodiff(chunk, sub, docs, bounded):
     np.testing.assert_array_equal(a, b)
   for name, a, b in zip(("q", "k", "v", "g", "beta"), hand_vjp(*cots), vjp(tuple(cots))):
     assert rel_rms(a, b) < 1e-6, name
+  # the backward from prep's saved inverse and scores is the recomputing one
+  *with_outs, inv, s_kk = tile.chunk_prep(*args, *masks, with_inverse=True, **kw)
+  _, saved_vjp = tile.chunk_prep_vjp(*args, *masks, inverse=(inv, s_kk), **kw)
+  for a, b in zip((*with_outs, *saved_vjp(*cots)), (*outs, *hand_vjp(*cots))):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("chunk,sub", [(16, 16), (32, 8)])
+def test_saved_inverse_backward_is_the_recomputing_one(chunk, sub):
+  """`save_inverse` (the default): prep writes (I + A_kk)^-1 and s_kk, and chunk_bwd reads
+  them instead of recomputing the inverse's chain of products. Packed documents, T = 100
+  padded, K != V: outputs and every gradient as the recomputing kernels give them, and
+  within RTOL_FP32 of the literal recurrence."""
+  q, k, v, g, beta, h0 = make_inputs(15, 2, 100, 2, 32, 16)
+  seg = packed_segment_ids()
+  cot = cotangents(16, v.shape, h0.shape)
+  fn = functools.partial(interpret, chunk_size=chunk, sub_chunk_size=sub, segment_ids=seg)
+  out, grads = forward_and_grads(functools.partial(fn, save_inverse=False),
+                                 q, k, v, g, beta, h0, *cot)
+  out_saved, grads_saved = forward_and_grads(fn, q, k, v, g, beta, h0, *cot)
+  for a, b in zip((*out_saved, *grads_saved), (*out, *grads)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(np.max(np.abs(b))))
+  naive = functools.partial(kda_naive, segment_ids=seg)
+  check(out_saved, grads_saved, *forward_and_grads(naive, q, k, v, g, beta, h0, *cot),
+        RTOL_FP32, 2)
+
+
+def test_prep_keeps_the_inverse_only_for_a_backward():
+  """A plain forward's prep writes the recurrence's six operands; under autodiff it writes
+  chunk_bwd's inverse and scores too (`save_inverse`), unless told not to."""
+  x = jnp.ones((1, 32, 1, 16), jnp.bfloat16)
+  beta = jnp.ones((1, 32, 1), jnp.bfloat16)
+
+  def prep_outputs(fn, **kw):
+    loss = lambda q: jnp.sum(kda_pallas(q, x, x, -jnp.ones_like(x), beta, platform="gpu",
+                                        chunk_size=16, **kw).astype(jnp.float32))
+    return [len(e.outvars) for e in jaxpr_eqns(jax.make_jaxpr(fn(loss))(x).jaxpr)
+            if e.primitive.name == "pallas_call"
+            and e.params["jaxpr"].debug_info.func_name == "_prep_kernel"]
+
+  assert prep_outputs(lambda f: f) == [6]
+  assert prep_outputs(jax.value_and_grad) == [8]
+  assert prep_outputs(jax.value_and_grad, save_inverse=False) == [6]
 
 
 def test_unbounded_gate_kernel_matches_naive():
@@ -326,13 +369,14 @@ def test_lowers_for_cuda():
   args = (sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H, D), sd(B, T, H),
           sd(B, H, D, D, dt=jnp.float32), sd(B, T, dt=jnp.int32))
 
-  def lowered(save_states, n_spans=1, bounded_gate=True, layers=1):
+  def lowered(save_states, n_spans=1, bounded_gate=True, layers=1, save_inverse=True):
     def loss(q, k, v, g, beta, h0, seg):
       total = 0.0
       for i in range(layers):   # each distinct call's kernels are lowered once
         o, s = kda_pallas(q * (i + 1), k, v, g, beta, initial_state=h0, segment_ids=seg,
                           output_final_state=True, platform="gpu", save_states=save_states,
-                          spans=n_spans, bounded_gate=bounded_gate)
+                          spans=n_spans, bounded_gate=bounded_gate,
+                          save_inverse=save_inverse)
         total += jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
       return total
 
@@ -345,6 +389,8 @@ def test_lowers_for_cuda():
   assert lowered(True, layers=3).count("__gpu$xla.gpu.triton") == 5
   assert lowered(True, bounded_gate=False).count("__gpu$xla.gpu.triton") == 5
   assert lowered(False).count("__gpu$xla.gpu.triton") == 7
+  assert lowered(True, save_inverse=False).count("__gpu$xla.gpu.triton") == 5
+  assert lowered(False, save_inverse=False).count("__gpu$xla.gpu.triton") == 7
   # in spans the forward adds the transitions and the chain, the backward the spans' own
   # cotangents and the chain back
   assert lowered(True, n_spans=2).count("__gpu$xla.gpu.triton") == 9

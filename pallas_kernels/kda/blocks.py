@@ -23,6 +23,7 @@ class Config:
   interpret: bool
   platform: str
   save_states: bool = True
+  save_inverse: bool = True  # under autodiff prep writes (I + A_kk)^-1 and s_kk for chunk_bwd
   bounded_gate: bool = True  # g >= LOWER_BOUND; False: `tile.pair_part`s on the diagonal
   spans: int = 1  # recurrences in parallel spans (`spans.py`), a power of two
   transition_block: int = 128

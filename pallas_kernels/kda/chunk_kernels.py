@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,40 +13,67 @@ from pallas_kernels.kda import blocks, tile
 from pallas_kernels.kda.blocks import F32
 
 
+class Prep(NamedTuple):
+  """`prep`'s outputs: the recurrence's operands w, q_s, k_s [.., K], u [.., V], A_qk [.., C],
+  dec [B, H, N, 1, K]; with `Config.save_inverse` also `chunk_bwd`'s (I + A_kk)^-1 and
+  s_kk [.., C] (fp32), else None."""
+  w: jax.Array
+  u: jax.Array
+  a: jax.Array
+  qs: jax.Array
+  ks: jax.Array
+  dec: jax.Array
+  inv: jax.Array | None = None
+  s_kk: jax.Array | None = None
+
+  @property
+  def recurrence(self):
+    """(w, u, A_qk, q_s, k_s, dec): what `spans.forward` and `spans.backward` take."""
+    return tuple(self[:6])
+
+  @property
+  def inverse(self):
+    """(inv, s_kk) for `chunk_bwd`, or None."""
+    return None if self.inv is None else (self.inv, self.s_kk)
+
+
 def _prep_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_ref, last_ref,
-                 w_ref, u_ref, a_ref, qs_ref, ks_ref, dec_ref, *, cfg):
-  w, u, a, qs, ks, dec = tile.chunk_prep(
+                 *out_refs, cfg):
+  outs = tile.chunk_prep(
       q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
       docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
-      mm_dtype=cfg.mm, precision=cfg.prep_prec, bounded=cfg.bounded_gate)
-  for ref, x in ((w_ref, w), (u_ref, u), (a_ref, a), (qs_ref, qs), (ks_ref, ks),
-                 (dec_ref, dec)):
+      mm_dtype=cfg.mm, precision=cfg.prep_prec, bounded=cfg.bounded_gate,
+      with_inverse=cfg.save_inverse)
+  for ref, x in zip(out_refs, outs):
     ref[...] = x.astype(ref.dtype)
 
 
 def _prep_dtypes(cfg):
-  """(w, u, A_qk, q_s, k_s, dec): matmul operands in mm, u and dec (fp32 arithmetic) fp32."""
+  """(w, u, A_qk, q_s, k_s): matmul operands in mm, u (fp32 arithmetic) fp32; then fp32 inv
+  and s_kk if saved."""
   mm = cfg.mm
-  return mm, F32, mm, mm, mm, F32
+  return (mm, F32, mm, mm, mm) + ((F32, F32) if cfg.save_inverse else ())
 
 
-def prep(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last):
-  """`pallas.kernel_inputs` -> w, q_s, k_s (K columns), u (V), A_qk (C), dec [B, H, N, 1, K]."""
+def prep(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last) -> Prep:
+  """`pallas.kernel_inputs` -> `Prep`, a chunk per program."""
   B, H, Tp, K = blocks.dims(cfg, q)
   V = v.shape[-1]
   C = cfg.chunk
   N = Tp // C
   tok, col, row, per_chunk = blocks.chunk_specs(cfg, K)
   dtypes = _prep_dtypes(cfg)
+  widths = (K, V, C, K, K, C, C)[:len(dtypes)]
   out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, d), dt)
-               for d, dt in zip((K, V, C, K, K), dtypes)]
-  out_shape.append(jax.ShapeDtypeStruct((B, H, N, 1, K), F32))
-  return blocks.call(
+               for d, dt in zip(widths, dtypes)]
+  out_shape.insert(5, jax.ShapeDtypeStruct((B, H, N, 1, K), F32))
+  out_specs = [tok(d) for d in widths]
+  out_specs.insert(5, per_chunk)
+  return Prep(*blocks.call(
       cfg, functools.partial(_prep_kernel, cfg=cfg), grid=(B, H, N),
       in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col],
-      out_specs=[tok(K), tok(V), tok(C), tok(K), tok(K), per_chunk],
-      out_shape=out_shape, num_warps=cfg.prep_warps,
-  )(q, k, v, g, beta, doc_c, doc_r, sees, last)
+      out_specs=out_specs, out_shape=out_shape, num_warps=cfg.prep_warps,
+  )(q, k, v, g, beta, doc_c, doc_r, sees, last))
 
 
 def _chunk_cots_kernel(w_ref, u_ref, st_ref, dst_ref, do_ref, dvn_ref, dw_ref, da_ref,
@@ -80,20 +108,25 @@ def chunk_cots(cfg, w, u, states, dstates, do, dvn):
 
 
 def _chunk_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_ref,
-                      last_ref, dw_ref, du_ref, da_ref, dqs_ref, dks_ref, ddec_ref, dq_ref,
-                      dk_ref, dv_ref, dg_ref, dbeta_ref, *, cfg):
+                      last_ref, dw_ref, du_ref, da_ref, dqs_ref, dks_ref, ddec_ref, *refs, cfg):
+  inverse = (refs[0][...], refs[1][...]) if cfg.save_inverse else None
   _, vjp = tile.chunk_prep_vjp(
       q_ref[...], k_ref[...], v_ref[...], g_ref[...], beta_ref[...], docc_ref[...],
       docr_ref[...], sees_ref[...], last_ref[...], scale=cfg.scale, sub=cfg.sub,
-      mm_dtype=cfg.mm, precision=cfg.bwd_prec, bounded=cfg.bounded_gate)
+      mm_dtype=cfg.mm, precision=cfg.bwd_prec, bounded=cfg.bounded_gate, inverse=inverse)
   grads = vjp(dw_ref[...], du_ref[...], da_ref[...], dqs_ref[...], dks_ref[...],
               ddec_ref[...])
-  for ref, x in zip((dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref), grads):
+  for ref, x in zip(refs[-5:], grads):
     ref[...] = x.astype(ref.dtype)
 
 
-def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec):
-  """dq, dk, dv, dg, dbeta from prep's output cotangents (du: v_new's), `tile.chunk_prep_vjp`."""
+def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec,
+              inverse=None):
+  """dq, dk, dv, dg, dbeta from prep's output cotangents (du: v_new's), `tile.chunk_prep_vjp`;
+  inverse: `Prep.inverse`, required under `Config.save_inverse`."""
+  if cfg.save_inverse != (inverse is not None):
+    raise ValueError(f"save_inverse={cfg.save_inverse} but inverse given: "
+                     f"{inverse is not None}")
   C, K, V = cfg.chunk, q.shape[-1], v.shape[-1]
   tok, col, row, per_chunk = blocks.chunk_specs(cfg, K)
   B, H, Tp, _ = blocks.dims(cfg, q)
@@ -101,7 +134,8 @@ def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, 
   return blocks.call(
       cfg, functools.partial(_chunk_bwd_kernel, cfg=cfg), grid=(B, H, Tp // C),
       in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col,
-                tok(K), tok(V), tok(C), tok(K), tok(K), per_chunk],
+                tok(K), tok(V), tok(C), tok(K), tok(K), per_chunk]
+      + [tok(C)] * (2 if inverse else 0),
       out_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
       out_shape=out_shape, num_warps=cfg.bwd_warps,
-  )(q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec)
+  )(q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, dks, ddec, *(inverse or ()))

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import blocks, chunk_kernels, spans
 from pallas_kernels.kda.context import carries_over, entering_states, scan_maps, shifted
-from pallas_kernels.kda.pallas import input_cotangents, kernel_inputs, mask_cotangents
+from pallas_kernels.kda.pallas import (input_cotangents, kernel_inputs, mask_cotangents,
+                                      no_backward)
 from pallas_kernels.platform import lowered_once
 
 _HI = jax.lax.Precision.HIGHEST
@@ -47,19 +48,20 @@ def _leaving_cotangents(A, E, d_exit, carries, axis):
 @lowered_once(0, 1)
 def _forward(cfg, axis, q, k, v, g, beta, h0, masks, carries):
   prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
-  w, u, a, qs, ks, dec = prep
+  w, u, a, qs, ks, dec = prep.recurrence
   K = blocks.dims(cfg, w)[-1]
   t = spans.transitions(cfg, w, u, ks, dec)
   A, b = _slice_map(t, K)
   A = A * carries
   entering = _t(entering_states(_t(A), _t(b), _t(h0), carries, axis)[0])
-  o, leaving, states, _ = spans.forward(cfg, *prep, entering, q.dtype, True, t=t)
+  o, leaving, states, _ = spans.forward(cfg, *prep.recurrence, entering, q.dtype, True, t=t)
   return (o, leaving), (prep, states, t, A)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _context_core(cfg, axis, q, k, v, g, beta, h0, doc_c, doc_r, sees, last, carries):
-  return _forward(cfg, axis, q, k, v, g, beta, h0, (doc_c, doc_r, sees, last), carries)[0]
+  masks = (doc_c, doc_r, sees, last)
+  return _forward(no_backward(cfg), axis, q, k, v, g, beta, h0, masks, carries)[0]
 
 
 def _core_fwd(cfg, axis, q, k, v, g, beta, h0, doc_c, doc_r, sees, last, carries):
@@ -79,7 +81,7 @@ def _backward(cfg, axis, inputs, masks, carries, saved, cots):
   """(dq, dk, dv, dg, dbeta, dh0)."""
   prep, states, t, A = saved
   do, d_exit = cots
-  w, u, a, qs, ks, dec = prep
+  w, u, a, qs, ks, dec = prep.recurrence
   own = spans.own_cotangents(cfg, w, a, qs, ks, dec, do)
   # the slice's own cotangent: its spans' own, chained back from a zero one
   E = (own[:, :, 0] if cfg.spans == 1 else

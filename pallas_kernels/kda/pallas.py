@@ -6,6 +6,7 @@ a sequential grid axis, state in VMEM. T pads to whole chunks, D to a power of t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -47,22 +48,29 @@ def default_spans(platform, interpret, B, H, V, n_chunks):
 
 @lowered_once(0, 8)
 def _forward(cfg, q, k, v, g, beta, st0, masks, save_states):
-  """(o, final state, prep's outputs, chunk states or None, spans' transitions or None)."""
+  """(o, final state, `chunk_kernels.Prep`, chunk states or None, spans' transitions or
+  None)."""
   prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
-  o, st, states, trans = spans.forward(cfg, *prep, st0, q.dtype, save_states)
+  o, st, states, trans = spans.forward(cfg, *prep.recurrence, st0, q.dtype, save_states)
   return o, st, prep, states, trans
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda_core(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
-  o, st, *_ = _forward(cfg, q, k, v, g, beta, st0, (doc_c, doc_r, sees, last), False)
+  o, st, *_ = _forward(no_backward(cfg), q, k, v, g, beta, st0, (doc_c, doc_r, sees, last),
+                       False)
   return o, st
+
+
+def no_backward(cfg):
+  """cfg for a forward that no backward follows: prep keeps nothing for `chunk_bwd`."""
+  return dataclasses.replace(cfg, save_inverse=False)
 
 
 def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
   o, st, prep, states, trans = _forward(cfg, q, k, v, g, beta, st0,
                                         (doc_c, doc_r, sees, last), cfg.save_states)
-  saved = (*prep, states, trans) if cfg.save_states else None
+  saved = (prep, states, trans) if cfg.save_states else None
   return (o, st), (q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved)
 
 
@@ -79,18 +87,20 @@ def _backward(cfg, inputs, masks, saved, cots):
   do, dst = cots
   if saved is None:
     prep = chunk_kernels.prep(cfg, q, k, v, g, beta, *masks)
-    saved = (*prep, *spans.forward(cfg, *prep, st0, q.dtype, True)[2:])
-  w, u, a, qs, ks, dec, states, trans = saved
+    saved = (prep, *spans.forward(cfg, *prep.recurrence, st0, q.dtype, True)[2:])
+  prep, states, trans = saved
+  w, _, a, qs, ks, dec = prep.recurrence
   dvn, dstates, dst0 = spans.backward(cfg, w, a, qs, ks, dec, do, dst, trans)
-  return (*input_cotangents(cfg, (q, k, v, g, beta), masks, saved[:6], states, dstates, do,
-                            dvn), dst0)
+  return (*input_cotangents(cfg, (q, k, v, g, beta), masks, prep, states, dstates, do, dvn),
+          dst0)
 
 
 def input_cotangents(cfg, inputs, masks, prep, states, dstates, do, dvn):
-  """(dq, dk, dv, dg, dbeta) from the recurrence's backward (dstates, dvn)."""
-  w, u, a, qs, ks, dec = prep
-  dw, da, dqs, dks, ddec = chunk_kernels.chunk_cots(cfg, w, u, states, dstates, do, dvn)
-  return chunk_kernels.chunk_bwd(cfg, *inputs, *masks, dw, dvn, da, dqs, dks, ddec)
+  """(dq, dk, dv, dg, dbeta) from the recurrence's backward (dstates, dvn); prep: `Prep`."""
+  dw, da, dqs, dks, ddec = chunk_kernels.chunk_cots(cfg, prep.w, prep.u, states, dstates, do,
+                                                    dvn)
+  return chunk_kernels.chunk_bwd(cfg, *inputs, *masks, dw, dvn, da, dqs, dks, ddec,
+                                 inverse=prep.inverse)
 
 
 def mask_cotangents(masks):

@@ -120,7 +120,7 @@ def _scores(x, k, fr, mm):
 
 
 def _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype, precision,
-             bounded):
+             bounded, inverse=None):
   mm = lambda a, b, dims: dot(a, b, dims, precision, mm_dtype)
   C = q.shape[0]
   q, k, v, g, beta = (x.astype(F32) for x in (q, k, v, g, beta))
@@ -128,8 +128,11 @@ def _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype, p
   fr = _Frame(g, doc_c, doc_r, sub, precision, bounded)
   qk = jnp.sum(q * k, axis=1, keepdims=True)
   a_qk = jnp.where(fr.strict, _scores(q, k, fr, mm), jnp.where(fr.diag, qk, 0.0))
-  s_kk = _scores(k, k, fr, mm)
-  inv = invert_unit_lower(jnp.where(fr.strict, beta * s_kk, 0.0), precision)
+  if inverse is None:
+    s_kk = _scores(k, k, fr, mm)
+    inv = invert_unit_lower(jnp.where(fr.strict, beta * s_kk, 0.0), precision)
+  else:
+    inv, s_kk = (x.astype(F32) for x in inverse)
   decay = jnp.exp(fr.G)
   x_w, bv = beta * sees * k * decay, beta * v
   w = dot(inv, x_w, "nn", precision)
@@ -146,24 +149,27 @@ def _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype, p
 
 
 def chunk_prep(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm_dtype, precision,
-               bounded=True):
+               bounded=True, with_inverse=False):
   """One chunk: q, k, g [C, K]; v [C, V]; beta, sees (in the entering state's document),
   last (in the chunk's last one) [C, 1]; doc_c [C, 1], doc_r [1, C] document index;
   bounded: g >= LOWER_BOUND, else any g <= 0. Returns
   fp32 w, q_s, k_s [C, K], u [C, V], a_qk [C, C], dec [1, K] with v_new = u - w S,
-  o = q_s S + a_qk v_new, S <- dec S + k_s^T v_new."""
-  outs, _ = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
-                     precision, bounded)
-  return outs
+  o = q_s S + a_qk v_new, S <- dec S + k_s^T v_new; with_inverse: then also the UT
+  transform's (I + A_kk)^-1 and k's scores s_kk [C, C], `chunk_prep_vjp`'s inverse."""
+  outs, sv = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
+                      precision, bounded)
+  return (*outs, sv["inv"], sv["s_kk"]) if with_inverse else outs
 
 
 def chunk_prep_vjp(q, k, v, g, beta, doc_c, doc_r, sees, last, *, scale, sub, mm_dtype,
-                   precision, bounded=True):
+                   precision, bounded=True, inverse=None):
   """(`chunk_prep`'s outputs, vjp(dw, du, da, dq_s, dk_s, ddec) -> fp32 dq, dk, dv, dg,
-  dbeta), the forward recomputed. Score gradients take the fp32 operands, not the mm_dtype
-  ones: dg = d log f - d log h cancels, and bf16 rounding would dominate it."""
+  dbeta), the forward recomputed; inverse: (inv, s_kk) from `chunk_prep(with_inverse=True)`,
+  taken instead of recomputed (the inverse is a chain of dependent products). Score
+  gradients take the fp32 operands, not the mm_dtype ones: dg = d log f - d log h cancels,
+  and bf16 rounding would dominate it."""
   outs, sv = _forward(q, k, v, g, beta, doc_c, doc_r, sees, last, scale, sub, mm_dtype,
-                      precision, bounded)
+                      precision, bounded, inverse)
   fr, q, k, inv = sv["fr"], sv["q"], sv["k"], sv["inv"]
   beta, sees, decay = sv["beta"], sv["sees"], sv["decay"]
 
