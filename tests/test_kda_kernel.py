@@ -240,7 +240,8 @@ def test_saved_inverse_backward_is_the_recomputing_one(chunk, sub):
 
 def test_prep_keeps_the_inverse_only_for_a_backward():
   """A plain forward's prep writes the recurrence's six operands; under autodiff it writes
-  chunk_bwd's inverse and scores too (`save_inverse`), unless told not to."""
+  chunk_bwd's inverse and scores too (`save_inverse`), unless told not to, or unless the
+  backward runs prep again (`save_states=False`)."""
   x = jnp.ones((1, 32, 1, 16), jnp.bfloat16)
   beta = jnp.ones((1, 32, 1), jnp.bfloat16)
 
@@ -254,6 +255,8 @@ def test_prep_keeps_the_inverse_only_for_a_backward():
   assert prep_outputs(lambda f: f) == [6]
   assert prep_outputs(jax.value_and_grad) == [8]
   assert prep_outputs(jax.value_and_grad, save_inverse=False) == [6]
+  # states recomputed: the backward runs prep again, and only that one keeps the inverse
+  assert sorted(prep_outputs(jax.value_and_grad, save_states=False)) == [6, 8]
 
 
 def test_unbounded_gate_kernel_matches_naive():

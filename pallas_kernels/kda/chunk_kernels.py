@@ -125,8 +125,8 @@ def chunk_bwd(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last, dw, du, da, dqs, 
   """dq, dk, dv, dg, dbeta from prep's output cotangents (du: v_new's), `tile.chunk_prep_vjp`;
   inverse: `Prep.inverse`, required under `Config.save_inverse`."""
   if cfg.save_inverse != (inverse is not None):
-    raise ValueError(f"save_inverse={cfg.save_inverse} but inverse given: "
-                     f"{inverse is not None}")
+    raise ValueError(f"chunk_bwd: Config.save_inverse={cfg.save_inverse} takes inverse="
+                     f"{'Prep.inverse' if cfg.save_inverse else 'None'}")
   C, K, V = cfg.chunk, q.shape[-1], v.shape[-1]
   tok, col, row, per_chunk = blocks.chunk_specs(cfg, K)
   B, H, Tp, _ = blocks.dims(cfg, q)

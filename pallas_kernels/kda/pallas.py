@@ -68,7 +68,8 @@ def no_backward(cfg):
 
 
 def _core_fwd(cfg, q, k, v, g, beta, st0, doc_c, doc_r, sees, last):
-  o, st, prep, states, trans = _forward(cfg, q, k, v, g, beta, st0,
+  forward_cfg = cfg if cfg.save_states else no_backward(cfg)  # else the backward runs prep
+  o, st, prep, states, trans = _forward(forward_cfg, q, k, v, g, beta, st0,
                                         (doc_c, doc_r, sees, last), cfg.save_states)
   saved = (prep, states, trans) if cfg.save_states else None
   return (o, st), (q, k, v, g, beta, st0, doc_c, doc_r, sees, last, saved)
