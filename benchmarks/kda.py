@@ -355,8 +355,10 @@ def tunings(spec, kernel):
   a third field "noinv": without `Config.save_inverse` (chunk_bwd recomputes the inverse)."""
   def tuning(item):
     warps, precision, *rest = item.split(":")
+    if rest not in ([], ["noinv"]):
+      raise ValueError(f"--{kernel} item {item!r}: a third field can only be 'noinv'")
     return {f"{kernel}_warps": int(warps[1:]), f"{kernel}_precision": precision,
-            "save_inverse": rest != ["noinv"]}
+            "save_inverse": not rest}
   return {item: tuning(item) for item in spec.split(",")}
 
 

@@ -48,31 +48,24 @@ def _prep_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, docc_ref, docr_ref, sees_
     ref[...] = x.astype(ref.dtype)
 
 
-def _prep_dtypes(cfg):
-  """(w, u, A_qk, q_s, k_s): matmul operands in mm, u (fp32 arithmetic) fp32; then fp32 inv
-  and s_kk if saved."""
-  mm = cfg.mm
-  return (mm, F32, mm, mm, mm) + ((F32, F32) if cfg.save_inverse else ())
-
-
 def prep(cfg, q, k, v, g, beta, doc_c, doc_r, sees, last) -> Prep:
-  """`pallas.kernel_inputs` -> `Prep`, a chunk per program."""
+  """`pallas.kernel_inputs` -> `Prep`, a chunk per program: matmul operands in mm, u (fp32
+  arithmetic), dec, inv and s_kk in fp32."""
   B, H, Tp, K = blocks.dims(cfg, q)
   V = v.shape[-1]
-  C = cfg.chunk
+  C, mm = cfg.chunk, cfg.mm
   N = Tp // C
   tok, col, row, per_chunk = blocks.chunk_specs(cfg, K)
-  dtypes = _prep_dtypes(cfg)
-  widths = (K, V, C, K, K, C, C)[:len(dtypes)]
-  out_shape = [jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, d), dt)
-               for d, dt in zip(widths, dtypes)]
-  out_shape.insert(5, jax.ShapeDtypeStruct((B, H, N, 1, K), F32))
-  out_specs = [tok(d) for d in widths]
-  out_specs.insert(5, per_chunk)
+  token = lambda d, dt: (tok(d), jax.ShapeDtypeStruct(blocks.token_shape(cfg, B, H, Tp, d), dt))
+  outs = [token(K, mm), token(V, F32), token(C, mm), token(K, mm), token(K, mm),
+          (per_chunk, jax.ShapeDtypeStruct((B, H, N, 1, K), F32))]   # in `Prep`'s order
+  if cfg.save_inverse:
+    outs += [token(C, F32), token(C, F32)]
+  out_specs, out_shape = zip(*outs)
   return Prep(*blocks.call(
       cfg, functools.partial(_prep_kernel, cfg=cfg), grid=(B, H, N),
       in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1), col, row, col, col],
-      out_specs=out_specs, out_shape=out_shape, num_warps=cfg.prep_warps,
+      out_specs=list(out_specs), out_shape=list(out_shape), num_warps=cfg.prep_warps,
   )(q, k, v, g, beta, doc_c, doc_r, sees, last))
 
 
