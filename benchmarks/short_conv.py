@@ -104,9 +104,7 @@ def run_fla(inp, normalize, reps):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", nargs="+", default=["8,4096,16,128"])
-  p.add_argument("--blocks", default="16,32",
-                 help="our kernels' rows at once, each optionally :rows a program walks "
-                      "(strip), e.g. 16,16:256")
+  p.add_argument("--blocks", default="16,32", help="our kernels' rows per program")
   p.add_argument("--peer", default="fla", choices=["fla", "none"])
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU)")
@@ -122,12 +120,9 @@ def main():
       form = "q/k (L2 norm)" if normalize else "v"
       exact = run_jax(inp, short_conv_reference, normalize, 1, dtype=jnp.float32)
       runs = {"reference": lambda: run_jax(inp, short_conv_reference, normalize, a.reps)}
-      for item in a.blocks.split(","):
-        bt, strip = (item.split(":") + [None])[:2]
-        fn = functools.partial(short_conv_pallas, block_t=int(bt),
-                               strip=strip and int(strip), interpret=a.interpret)
-        name = f"ours bt{bt}" + (f" s{strip}" if strip else "")
-        runs[name] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)
+      for bt in map(int, a.blocks.split(",")):
+        fn = functools.partial(short_conv_pallas, block_t=bt, interpret=a.interpret)
+        runs[f"ours bt{bt}"] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)
       if a.peer == "fla":
         runs["fla"] = lambda: run_fla(inp, normalize, a.reps)
       for name, run in runs.items():
@@ -136,7 +131,7 @@ def main():
         row = dict(shape=shape, form=form, impl=name, fwd_ms=r["fwd_ms"],
                    fwd_bwd_ms=r["fwd_bwd_ms"], gbps=gb / r["fwd_bwd_ms"] * 1e3, **err)
         table.append(row)
-        print(f"{shape} {form:14s} {name:14s} fwd {r['fwd_ms']:.3f} ms  fwd+bwd "
+        print(f"{shape} {form:14s} {name:9s} fwd {r['fwd_ms']:.3f} ms  fwd+bwd "
               f"{r['fwd_bwd_ms']:.3f} ms ({row['gbps']:.0f} GB/s)  err y {err['y']:.1e} "
               f"dx {err['dx']:.1e} dw {err['dw']:.1e}", flush=True)
   with open(os.path.join(a.out, "short_conv_bench.json"), "w") as f:

@@ -49,24 +49,6 @@ def test_kernel_matches_reference(shape, normalize):
     assert _rel(a, b) < 2e-6, (name, _rel(a, b))
 
 
-@pytest.mark.parametrize("shape,normalize,strip", [
-    ((2, 50, 2, 16, 4), True, 32),     # T padded to a whole strip
-    ((1, 200, 3, 24, 3), False, 64),   # documents crossing the strip's blocks
-])
-def test_a_program_walking_a_strip_equals_the_reference(shape, normalize, strip):
-  """strip: a program computes strip rows block_t at a time, summing its taps' gradients
-  over them; output and gradients equal the reference's to fp32 rounding."""
-  args = _inputs(*shape, docs=5)
-  interp = lambda *a, **kw: short_conv_pallas(*a, interpret=True, strip=strip, **kw)
-  got = _value_and_grads(interp, *args, normalize=normalize)
-  want = _value_and_grads(short_conv_reference, *args, normalize=normalize)
-  for name, a, b in zip(("y", "dx", "dw"), got, want):
-    assert a.shape == b.shape and a.dtype == b.dtype, name
-    assert _rel(a, b) < 2e-6, (name, _rel(a, b))
-  with pytest.raises(ValueError, match="strip=24 must be a power of two"):
-    short_conv_pallas(*args[:3], interpret=True, strip=24)
-
-
 def test_bf16_kernel_is_as_accurate_as_the_reference():
   """bf16 activations: both forms compute in fp32 and round once at the end, so both are
   within bf16 rounding of the fp32 result and agree with each other as closely."""

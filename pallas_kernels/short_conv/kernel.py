@@ -1,8 +1,7 @@
 """KDA's short convolution as Pallas Triton kernels, fp32 inside: y = silu(p) (L2-normalized
-if asked), p = sum_j w[j] x[t - j]. A program per (row, strip of T, head) walks its strip a
-block of rows at a time, gathering the rows and the W - 1 before them by index, masked at the
-start and at document boundaries. Backward (only x saved): `_grad_p_kernel` (dp, per-strip
-tap sums), `_grad_x_kernel` (dx = w * dp).
+if asked), p = sum_j w[j] x[t - j]. A program per (row, block of T, head) gathers its rows
+and the W - 1 before them by index, masked at the start and at document boundaries. Backward
+(only x saved): `_grad_p_kernel` (dp, per-block tap sums), `_grad_x_kernel` (dx = w * dp).
 Storing dp in fp32 beats recomputing it at the W rows each dx row reads (one kernel):
 benchmarks/results/short_conv.md."""
 
@@ -20,12 +19,8 @@ from pallas_kernels.short_conv.reference import EPS, F32, check_shapes
 BLOCK_T = 16
 
 
-def _blocks(strip, block_t, body, init=None):
-  """body(i, rows t [block_t], carry) over the program's strip of T, block_t rows at a time;
-  the last carry."""
-  start = pl.program_id(1) * strip
-  step = lambda i, c: body(i, start + i * block_t + jnp.arange(block_t), c)
-  return jax.lax.fori_loop(0, strip // block_t, step, init)
+def _rows(block_t):
+  return pl.program_id(1) * block_t + jnp.arange(block_t)
 
 
 def _tap(ref, seg_ref, t, seg_t, j, limit):
@@ -54,105 +49,84 @@ def _act(p, normalize):
   return s * r, sg, r
 
 
-def _local(i, block_t):
-  """The block's rows within the program's output block."""
-  return pl.ds(pl.multiple_of(i * block_t, block_t), block_t)
-
-
-def _fwd_kernel(x_ref, w_ref, seg_ref, y_ref, *, taps, normalize, block_t, strip):
+def _fwd_kernel(x_ref, w_ref, seg_ref, y_ref, *, taps, normalize, block_t):
+  t = _rows(block_t)
   limit = x_ref.shape[0]
-
-  def body(i, t, carry):
-    p = _preact(x_ref, w_ref, seg_ref, t, seg_ref[t], taps, limit)
-    y_ref[_local(i, block_t), :] = _act(p, normalize)[0].astype(y_ref.dtype)
-    return carry
-  _blocks(strip, block_t, body)
+  p = _preact(x_ref, w_ref, seg_ref, t, seg_ref[t], taps, limit)
+  y_ref[...] = _act(p, normalize)[0].astype(y_ref.dtype)
 
 
 def _grad_p_kernel(x_ref, w_ref, seg_ref, dy_ref, dp_ref, dw_ref, *, taps, normalize,
-                   block_t, strip):
-  limit = x_ref.shape[0]
-
-  def body(i, t, dw):
-    seg_t, rows = seg_ref[t], _local(i, block_t)
-    p = _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit)
-    y, sg, r = _act(p, normalize)
-    dy = dy_ref[rows, :].astype(F32)
-    ds = r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True)) if normalize else dy
-    dp = ds * sg * (1.0 + p * (1.0 - sg))
-    dp_ref[rows, :] = dp
-    return tuple(d + jnp.sum((x_ref[t, :].astype(F32) if j == 0 else
-                              _tap(x_ref, seg_ref, t, seg_t, -j, limit)) * dp, axis=0)
-                 for j, d in enumerate(dw))
-  dw = _blocks(strip, block_t, body, (jnp.zeros((x_ref.shape[1],), F32),) * taps)
-  for j in range(taps):
-    dw_ref[j, :] = dw[j]
+                   block_t):
+  t = _rows(block_t)
+  limit, seg_t = x_ref.shape[0], seg_ref[t]
+  p = _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit)
+  y, sg, r = _act(p, normalize)
+  dy = dy_ref[...].astype(F32)
+  ds = r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True)) if normalize else dy
+  dp = ds * sg * (1.0 + p * (1.0 - sg))
+  dp_ref[...] = dp
+  dw_ref[0, :] = jnp.sum(x_ref[t, :].astype(F32) * dp, axis=0)
+  for j in range(1, taps):
+    dw_ref[j, :] = jnp.sum(_tap(x_ref, seg_ref, t, seg_t, -j, limit) * dp, axis=0)
 
 
-def _grad_x_kernel(dp_ref, w_ref, seg_ref, dx_ref, *, taps, block_t, strip):
-  limit = dp_ref.shape[0]
-
-  def body(i, t, carry):
-    seg_t = seg_ref[t]
-    dx = dp_ref[t, :] * w_ref[0, :].astype(F32)[None]
-    for j in range(1, taps):
-      dx += _tap(dp_ref, seg_ref, t, seg_t, j, limit) * w_ref[j, :].astype(F32)[None]
-    dx_ref[_local(i, block_t), :] = dx.astype(dx_ref.dtype)
-    return carry
-  _blocks(strip, block_t, body)
+def _grad_x_kernel(dp_ref, w_ref, seg_ref, dx_ref, *, taps, block_t):
+  t = _rows(block_t)
+  limit, seg_t = dp_ref.shape[0], seg_ref[t]
+  dx = dp_ref[t, :] * w_ref[0, :].astype(F32)[None]
+  for j in range(1, taps):
+    dx += _tap(dp_ref, seg_ref, t, seg_t, j, limit) * w_ref[j, :].astype(F32)[None]
+  dx_ref[...] = dx.astype(dx_ref.dtype)
 
 
-def _specs(Tp, D, Wp, strip):
-  """Grid (B, Tp / strip, H): (a head's rows, its strip, its taps, the row's ids)."""
+def _specs(Tp, D, Wp, block_t):
+  """Grid (B, Tp / BT, H): (a head's rows, its row block, its taps, the row's ids)."""
   whole = pl.BlockSpec((None, Tp, None, D), lambda b, i, h: (b, 0, h, 0))
-  block = pl.BlockSpec((None, strip, None, D), lambda b, i, h: (b, i, h, 0))
+  block = pl.BlockSpec((None, block_t, None, D), lambda b, i, h: (b, i, h, 0))
   taps = pl.BlockSpec((Wp, None, D), lambda b, i, h: (0, h, 0))
   seg = pl.BlockSpec((None, Tp), lambda b, i, h: (b, 0))
   return whole, block, taps, seg
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _conv(taps, normalize, tiling, interpret, x, w, seg):
-  return _conv_forward(taps, normalize, tiling, interpret, x, w, seg)
+def _conv(taps, normalize, block_t, interpret, x, w, seg):
+  return _conv_forward(taps, normalize, block_t, interpret, x, w, seg)
 
 
 @lowered_once(0, 1, 2, 3)
-def _conv_forward(taps, normalize, tiling, interpret, x, w, seg):
+def _conv_forward(taps, normalize, block_t, interpret, x, w, seg):
   B, Tp, H, D = x.shape
-  block_t, strip = tiling
-  whole, block, taps_spec, seg_spec = _specs(Tp, D, w.shape[0], strip)
-  kernel = functools.partial(_fwd_kernel, taps=taps, normalize=normalize, block_t=block_t,
-                             strip=strip)
-  return triton_call(kernel, x, w, seg, grid=(B, Tp // strip, H),
+  whole, block, taps_spec, seg_spec = _specs(Tp, D, w.shape[0], block_t)
+  kernel = functools.partial(_fwd_kernel, taps=taps, normalize=normalize, block_t=block_t)
+  return triton_call(kernel, x, w, seg, grid=(B, Tp // block_t, H),
                      in_specs=[whole, taps_spec, seg_spec], out_specs=block,
                      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
 
 
-def _conv_fwd(taps, normalize, tiling, interpret, x, w, seg):
-  return _conv_forward(taps, normalize, tiling, interpret, x, w, seg), (x, w, seg)
+def _conv_fwd(taps, normalize, block_t, interpret, x, w, seg):
+  return _conv_forward(taps, normalize, block_t, interpret, x, w, seg), (x, w, seg)
 
 
-def _conv_bwd(taps, normalize, tiling, interpret, res, dy):
-  return _conv_backward(taps, normalize, tiling, interpret, *res, dy) + (None,)
+def _conv_bwd(taps, normalize, block_t, interpret, res, dy):
+  return _conv_backward(taps, normalize, block_t, interpret, *res, dy) + (None,)
 
 
 @lowered_once(0, 1, 2, 3)
-def _conv_backward(taps, normalize, tiling, interpret, x, w, seg, dy):
+def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
   """(dx, dw)."""
   B, Tp, H, D = x.shape
-  block_t, strip = tiling
-  Wp, n = w.shape[0], Tp // strip
-  whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, strip)
+  Wp, n = w.shape[0], Tp // block_t
+  whole, block, taps_spec, seg_spec = _specs(Tp, D, Wp, block_t)
   grid = (B, n, H)
   dw_spec = pl.BlockSpec((None, None, Wp, None, D), lambda b, i, h: (b, i, 0, h, 0))
-  kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize, block_t=block_t,
-                             strip=strip)
+  kernel = functools.partial(_grad_p_kernel, taps=taps, normalize=normalize, block_t=block_t)
   dp, dw_blocks = triton_call(
       kernel, x, w, seg, dy, grid=grid, in_specs=[whole, taps_spec, seg_spec, block],
       out_specs=[block, dw_spec],
       out_shape=[jax.ShapeDtypeStruct(x.shape, F32),
                  jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)], interpret=interpret)
-  kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t, strip=strip)
+  kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t)
   dx = triton_call(kernel, dp, w, seg, grid=grid, in_specs=[whole, taps_spec, seg_spec],
                    out_specs=block, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                    interpret=interpret)
@@ -164,27 +138,19 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
 def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
-                      normalize: bool = False, block_t: int = BLOCK_T, strip: int | None = None,
+                      normalize: bool = False, block_t: int = BLOCK_T,
                       interpret: bool = False) -> jax.Array:
-  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks).
-  block_t: rows computed at once; strip: rows a program walks, block_t at a time (a
-  multiple of block_t, None: block_t; capped at T's padded length)."""
+  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks)."""
   check_shapes(x, weight, segment_ids)
   B, T, H, D = x.shape
   W = weight.shape[0]
   pow2 = pl.next_power_of_2
   block_t = min(block_t, max(16, pow2(T)))
-  strip = strip or block_t
-  if strip % block_t or strip & (strip - 1):
-    raise ValueError(f"short_conv: strip={strip} must be a power of two and a multiple of "
-                     f"block_t={block_t}")
-  strip = min(strip, max(block_t, pow2(T)))
-  Tp, Dp, Wp = -(-T // strip) * strip, max(16, pow2(D)), pow2(W)
+  Tp, Dp, Wp = -(-T // block_t) * block_t, max(16, pow2(D)), pow2(W)
   if (Tp, Dp) != (T, D):
     x = jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D)))
     segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Tp - T)), constant_values=-1)
   if (Wp, Dp) != (W, D):
     weight = jnp.pad(weight, ((0, Wp - W), (0, 0), (0, Dp - D)))
-  y = _conv(W, normalize, (block_t, strip), interpret, x, weight,
-            segment_ids.astype(jnp.int32))
+  y = _conv(W, normalize, block_t, interpret, x, weight, segment_ids.astype(jnp.int32))
   return y[:, :T, :, :D]
