@@ -28,9 +28,7 @@ Reads the Perfetto copy that `jax.profiler.trace(..., create_perfetto_trace=True
 from __future__ import annotations
 
 import collections
-import functools
 import gzip
-import itertools
 import json
 import pathlib
 import re
@@ -122,6 +120,7 @@ class Hlo(NamedTuple):
   where: dict[str, tuple[str, int]]            # instruction -> (computation, schedule index)
   order: dict[str, list[tuple[str, str]]]      # computation -> [(instruction, class)]
   shapes: dict[str, str]                       # instruction -> result ("bf16[16384,2048]")
+  twins: dict[str, tuple[str, ...]]            # instruction -> all compiled as its kernel
 
 
 class Attribution(NamedTuple):
@@ -154,6 +153,7 @@ def parse_hlo(hlo_text: str) -> Hlo:
   schedule, and each computation's custom calls in schedule order."""
   names, calls, inside = {}, {}, collections.defaultdict(collections.Counter)
   operands, where, order, shapes = {}, {}, collections.defaultdict(list), {}
+  kernel_of = {}   # instruction -> the instruction whose kernel runs it (XLA's dedup)
   computation = None
   for line in hlo_text.splitlines():
     if not line.startswith(" ") and "{" in line:
@@ -168,6 +168,8 @@ def parse_hlo(hlo_text: str) -> Hlo:
     if shape:
       shapes[name] = shape.group(1)
     op_name = re.search(r'op_name="([^"]*)"', line)
+    dedup = re.search(r'deduplicated_name="([^"]*)"', line)
+    kernel_of[name] = dedup.group(1) if dedup else name
     called = re.search(r"calls=%?([\w.\-]+)", line)
     if op_name:
       names[name] = op_name.group(1)
@@ -191,7 +193,17 @@ def parse_hlo(hlo_text: str) -> Hlo:
       source = operands[source]
     if inst not in names and source in names:
       names[inst] = names[source]
-  return Hlo(names, where, dict(order), shapes)
+  # XLA names the deduplicated fusions; it also reuses the kernel of a single op wrapped
+  # as a fusion (wrapped_add...) without saying so: those go by kind and result shape
+  named = {v for k, v in kernel_of.items() if v != k}
+  groups = collections.defaultdict(list)
+  for inst, (comp, _) in where.items():   # in schedule order
+    key = kernel_of[inst]
+    if key == inst and inst not in named and inst.startswith("wrapped_"):
+      key = (comp, re.sub(r"\.\d+$", "", inst), shapes.get(inst))
+    groups[key].append(inst)
+  twins = {inst: tuple(g) for g in groups.values() if len(g) > 1 for inst in g}
+  return Hlo(names, where, dict(order), shapes, twins)
 
 
 def kernel_class(name: str) -> str:
@@ -222,9 +234,10 @@ def attribute(kernels: list[Kernel], hlo: Hlo) -> list[Attribution]:
   library or custom kernel inside a command buffer (a CUDA graph runs them and they name
   only the buffer): the first custom call of its kind after the previous located kernel in
   that computation's schedule; "neighbour" where that finds none: the previous kernel's op
-  in the same buffer. XLA compiles identical fusions once, under the first one's name: a
-  kernel so named at or before the last located one stands for the next fusion of the
-  same kind and shape after it (`_twin`), so the schedule keeps moving forward."""
+  in the same buffer. XLA compiles identical fusions once, under one's name (the others
+  carry it as `deduplicated_name`): a kernel so named stands for the next of those
+  instructions in turn (`_next_twin`), so the schedule keeps moving forward, and a kernel
+  that a CUDA graph ran a little out of the schedule's order stays in its own layer."""
   def own(k):
     return next((n for n in (k.hlo_op, k.name, re.sub(r"_(\d+)$", r".\1", k.name))
                  if n in hlo.op_names), None)
@@ -237,25 +250,20 @@ def attribute(kernels: list[Kernel], hlo: Hlo) -> list[Attribution]:
     by_buffer[k.hlo_op].append(i)
   for members in by_buffer.values():
     members.sort(key=lambda i: kernels[i].start)
-    cursor, last_op = None, ""
+    cursor, last_op, turns = None, "", {}
     for i in members:
       op, how, inst = found[i]
       if op:
-        if inst and inst != kernels[i].hlo_op and (twin := _twin(hlo, cursor, inst)):
-          found[i] = (hlo.op_names.get(twin, op), how, twin)
-          op, inst = found[i][0], twin
+        if inst in hlo.twins and inst != kernels[i].hlo_op:
+          inst = _next_twin(hlo, cursor, inst, turns)
+          found[i] = (hlo.op_names.get(inst, op), how, inst)
+          op = found[i][0]
         cursor = hlo.where.get(inst, cursor) if inst else cursor
         last_op = op
         continue
-      cls = kernel_class(kernels[i].name)
-      hit = None
-      if cursor is not None:
-        comp, at = cursor
-        hit = next((j for j in range(at + 1, len(hlo.order[comp]))
-                    if hlo.order[comp][j][1] == cls), None)
-      if hit is not None:
-        name = hlo.order[comp][hit][0]
-        cursor = (comp, hit)
+      name = _next_scheduled(hlo, cursor, kernel_class(kernels[i].name))
+      if name:
+        cursor = hlo.where[name]
         found[i] = (hlo.op_names.get(name, ""), "scheduled", name)
         last_op = found[i][0] or last_op
       elif last_op:
@@ -263,23 +271,24 @@ def attribute(kernels: list[Kernel], hlo: Hlo) -> list[Attribution]:
   return [Attribution(op, how, inst or "") for op, how, inst in found]
 
 
-def _twin(hlo: Hlo, cursor, inst: str) -> str | None:
-  """For a kernel named after `inst` where `inst` sits at or before `cursor` in the same
-  computation: the first instruction after the cursor of inst's kind (its name without
-  the number) and result shape; None otherwise (a later instruction, or a new pass)."""
-  where = hlo.where.get(inst)
-  if cursor is None or where is None or where[0] != cursor[0] or where[1] > cursor[1]:
+def _next_scheduled(hlo: Hlo, cursor, cls: str) -> str | None:
+  """The first custom call of class cls after the cursor in its computation, if any."""
+  if cursor is None:
     return None
-  kind, shape = _kind(inst), hlo.shapes.get(inst)
-  after = itertools.islice(hlo.order[cursor[0]], cursor[1] + 1, None)   # no copy
-  return next((name for name, _ in after
-               if _kind(name) == kind and hlo.shapes.get(name) == shape), None)
+  comp, at = cursor
+  order = hlo.order[comp]
+  return next((order[j][0] for j in range(at + 1, len(order)) if order[j][1] == cls), None)
 
 
-@functools.lru_cache(maxsize=None)
-def _kind(instruction: str) -> str:
-  """An instruction's name without its number: loop_add_fusion.63 -> loop_add_fusion."""
-  return re.sub(r"\.\d+$", "", instruction)
+def _next_twin(hlo: Hlo, cursor, inst: str, turns: dict) -> str:
+  """The instruction whose turn it is to run inst's kernel: the one after the last taken
+  of `hlo.twins[inst]` in the cursor's computation, wrapping round to the first."""
+  twins = hlo.twins[inst]
+  if cursor is not None:
+    twins = tuple(t for t in twins if hlo.where[t][0] == cursor[0]) or twins
+  turn = (turns.get(twins, -1) + 1) % len(twins)
+  turns[twins] = turn
+  return twins[turn]
 
 
 def component_table(kernels: list[Kernel], hlo: Hlo,

@@ -134,30 +134,52 @@ def test_costs_are_a_fusions_bytes_and_a_matmuls_flops():
   assert costs["fusion.2"] == hlo_launches.Cost(64 * 32 * (4 + 2), 0)
 
 
-def test_a_reused_fusion_kernel_keeps_the_schedule_moving():
-  """XLA compiles identical fusions once, under the first one's name: in a CUDA graph the
-  second layer's add runs as kernel fusion_1. It stands for the next add of that shape, so
-  the second layer's Triton kernel is that layer's, not the first's again."""
-  def fusion(n, scope):
-    return (f"  %fusion.{n} = f32[4]{{0}} fusion(%a), kind=kLoop, calls=%add_computation, "
-            f'metadata={{op_name="jit(train_step)/{scope}/add"}}')
+def _fusion(n, scope, shape="f32[4]", dedup=None, kind="fusion"):
+  """An HLO fusion line; dedup: the instruction whose kernel XLA runs it with."""
+  meta = f' deduplicated_name="{dedup}"' if dedup else ""
+  return (f"  %{kind}.{n} = {shape}{{0}} fusion(%a), kind=kLoop, calls=%c{n}, "
+          f'metadata={{op_name="jit(train_step)/{scope}/add"{meta}}}')
 
-  def triton(n, scope):
-    return (f'  %custom-call.{n} = f32[4]{{0}} custom-call(%fusion.{n - 1}), custom_call_target='
-            f'"__gpu$xla.gpu.triton", backend_config={{ir = "...", name = "k"}}, '
-            f'metadata={{op_name="jit(train_step)/{scope}/pallas_call"}}')
 
+def _triton(n, scope):
+  return (f'  %custom-call.{n} = f32[4]{{0}} custom-call(%a), custom_call_target='
+          f'"__gpu$xla.gpu.triton", backend_config={{ir = "...", name = "k"}}, '
+          f'metadata={{op_name="jit(train_step)/{scope}/pallas_call"}}')
+
+
+def _attributed(lines, kernel_names):
   hlo = gpu_trace.parse_hlo("\n".join([
       "HloModule m, is_scheduled=true", "",
-      "ENTRY %main.9 (a: f32[4]) -> f32[4] {", "  %a = f32[4]{0} parameter(0)",
-      fusion(1, "kda"), triton(2, "kda"), fusion(3, "mla"),
-      "  ROOT " + triton(4, "mla").strip(), "}"]))
+      "ENTRY %main.9 (a: f32[4]) -> f32[4] {", "  %a = f32[4]{0} parameter(0)", *lines,
+      "}"]))
   kernels = [gpu_trace.Kernel(name, 10.0 * i, 5.0, "command_buffer_7", "")
-             for i, name in enumerate(["fusion_1", "k", "fusion_1", "k"])]
-  got = [(a.instruction, gpu_trace.component(a.op_name)[0])
-         for a in gpu_trace.attribute(kernels, hlo)]
+             for i, name in enumerate(kernel_names)]
+  return [(a.instruction, gpu_trace.component(a.op_name)[0])
+          for a in gpu_trace.attribute(kernels, hlo)]
+
+
+def test_a_reused_fusion_kernel_keeps_the_schedule_moving():
+  """XLA compiles identical fusions once (the others carry `deduplicated_name`): in a CUDA
+  graph the second layer's add runs as kernel fusion_1. It stands for the next add of its
+  kind in turn, so the second layer's Triton kernel is that layer's, not the first's again."""
+  got = _attributed([_fusion(1, "kda"), _triton(2, "kda"), _fusion(3, "mla", dedup="fusion.1"),
+                     _triton(4, "mla")], ["fusion_1", "k", "fusion_1", "k"])
   assert got == [("fusion.1", "kda"), ("custom-call.2", "kda"), ("fusion.3", "mla"),
                  ("custom-call.4", "mla")], got
+
+
+def test_a_reused_kernel_run_out_of_schedule_order_stays_in_its_layer():
+  """A CUDA graph runs the first layer's add after that layer's Triton kernel (they do not
+  depend on each other): the add is still the first layer's, and the second layer's kernels
+  the second's. Single ops wrapped as fusions share a kernel without `deduplicated_name`:
+  their twins go by kind and shape."""
+  for kind, dedup in (("fusion", "fusion.2"), ("wrapped_add", None)):
+    got = _attributed(
+        [_fusion(1, "kda", shape="f32[8]"), _fusion(2, "kda", kind=kind), _triton(3, "kda"),
+         _fusion(4, "mla", dedup=dedup, kind=kind), _triton(5, "mla")],
+        ["fusion_1", "k", f"{kind}_2", f"{kind}_2", "k"])
+    assert got == [("fusion.1", "kda"), ("custom-call.3", "kda"), (f"{kind}.2", "kda"),
+                   (f"{kind}.4", "mla"), ("custom-call.5", "mla")], (kind, got)
 
 
 def test_a_cpu_trace_of_a_scoped_step_is_split_by_component(tmp_path):
