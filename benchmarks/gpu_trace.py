@@ -150,7 +150,8 @@ def parse_hlo(hlo_text: str) -> Hlo:
   """The compiled program's instructions: their JAX op names (a fusion without one takes the
   most common op name among the instructions it calls, any other instruction without one,
   such as a copy XLA added, its first operand's), where each sits in its computation's
-  schedule, and each computation's custom calls in schedule order."""
+  schedule, each computation's custom calls in schedule order, and the instructions that
+  run as one kernel."""
   names, calls, inside = {}, {}, collections.defaultdict(collections.Counter)
   operands, where, order, shapes = {}, {}, collections.defaultdict(list), {}
   kernel_of = {}   # instruction -> the instruction whose kernel runs it (XLA's dedup)
