@@ -203,7 +203,7 @@ def parse_hlo(hlo_text: str) -> Hlo:
     if key == inst and inst not in named and inst.startswith("wrapped_"):
       key = (comp, re.sub(r"\.\d+$", "", inst), shapes.get(inst))
     groups[key].append(inst)
-  twins = {inst: tuple(g) for g in groups.values() if len(g) > 1 for inst in g}
+  twins = {inst: g for g in map(tuple, groups.values()) if len(g) > 1 for inst in g}
   return Hlo(names, where, dict(order), shapes, twins)
 
 
