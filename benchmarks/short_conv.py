@@ -104,7 +104,8 @@ def run_fla(inp, normalize, reps):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", nargs="+", default=["8,4096,16,128"])
-  p.add_argument("--blocks", default="16,32", help="our kernels' rows per program")
+  p.add_argument("--blocks", default="16,32",
+                 help="our kernels' rows per program, ':bf16' after one: dp stored in bf16")
   p.add_argument("--peer", default="fla", choices=["fla", "none"])
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU)")
@@ -120,9 +121,11 @@ def main():
       form = "q/k (L2 norm)" if normalize else "v"
       exact = run_jax(inp, short_conv_reference, normalize, 1, dtype=jnp.float32)
       runs = {"reference": lambda: run_jax(inp, short_conv_reference, normalize, a.reps)}
-      for bt in map(int, a.blocks.split(",")):
-        fn = functools.partial(short_conv_pallas, block_t=bt, interpret=a.interpret)
-        runs[f"ours bt{bt}"] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)
+      for spec in a.blocks.split(","):
+        bt, _, dp = spec.partition(":")
+        fn = functools.partial(short_conv_pallas, block_t=int(bt), interpret=a.interpret,
+                               dp_dtype="bfloat16" if dp == "bf16" else "float32")
+        runs[f"ours bt{spec}"] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)
       if a.peer == "fla":
         runs["fla"] = lambda: run_fla(inp, normalize, a.reps)
       for name, run in runs.items():

@@ -17,6 +17,7 @@ from pallas_kernels.platform import lowered_once, triton_call
 from pallas_kernels.short_conv.reference import EPS, F32, check_shapes
 
 BLOCK_T = 16
+DP_DTYPE = "float32"
 
 
 def _rows(block_t):
@@ -32,10 +33,18 @@ def _tap(ref, seg_ref, t, seg_t, j, limit):
   return jnp.where(ok[:, None], ref[r, :].astype(F32), 0.0)
 
 
-def _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit):
-  p = x_ref[t, :].astype(F32) * w_ref[0, :].astype(F32)[None]
+def _window(x_ref, seg_ref, t, seg_t, taps, limit):
+  """x_t, x_{t-1}, ..., x_{t-W+1} (fp32 [BT, D] each, masked as `_tap`), one at a time."""
+  yield x_ref[t, :].astype(F32)
   for j in range(1, taps):
-    p += _tap(x_ref, seg_ref, t, seg_t, -j, limit) * w_ref[j, :].astype(F32)[None]
+    yield _tap(x_ref, seg_ref, t, seg_t, -j, limit)
+
+
+def _preact(window, w_ref):
+  """sum_j w[j] window[j]; a generator's rows are read as they are summed."""
+  p = 0.0
+  for j, x in enumerate(window):
+    p = p + x * w_ref[j, :].astype(F32)[None]
   return p
 
 
@@ -52,7 +61,7 @@ def _act(p, normalize):
 def _fwd_kernel(x_ref, w_ref, seg_ref, y_ref, *, taps, normalize, block_t):
   t = _rows(block_t)
   limit = x_ref.shape[0]
-  p = _preact(x_ref, w_ref, seg_ref, t, seg_ref[t], taps, limit)
+  p = _preact(_window(x_ref, seg_ref, t, seg_ref[t], taps, limit), w_ref)
   y_ref[...] = _act(p, normalize)[0].astype(y_ref.dtype)
 
 
@@ -60,21 +69,21 @@ def _grad_p_kernel(x_ref, w_ref, seg_ref, dy_ref, dp_ref, dw_ref, *, taps, norma
                    block_t):
   t = _rows(block_t)
   limit, seg_t = x_ref.shape[0], seg_ref[t]
-  p = _preact(x_ref, w_ref, seg_ref, t, seg_t, taps, limit)
+  window = list(_window(x_ref, seg_ref, t, seg_t, taps, limit))  # for p and the taps' sums
+  p = _preact(window, w_ref)
   y, sg, r = _act(p, normalize)
   dy = dy_ref[...].astype(F32)
   ds = r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True)) if normalize else dy
   dp = ds * sg * (1.0 + p * (1.0 - sg))
-  dp_ref[...] = dp
-  dw_ref[0, :] = jnp.sum(x_ref[t, :].astype(F32) * dp, axis=0)
-  for j in range(1, taps):
-    dw_ref[j, :] = jnp.sum(_tap(x_ref, seg_ref, t, seg_t, -j, limit) * dp, axis=0)
+  dp_ref[...] = dp.astype(dp_ref.dtype)
+  for j in range(taps):
+    dw_ref[j, :] = jnp.sum(window[j] * dp, axis=0)
 
 
 def _grad_x_kernel(dp_ref, w_ref, seg_ref, dx_ref, *, taps, block_t):
   t = _rows(block_t)
   limit, seg_t = dp_ref.shape[0], seg_ref[t]
-  dx = dp_ref[t, :] * w_ref[0, :].astype(F32)[None]
+  dx = dp_ref[t, :].astype(F32) * w_ref[0, :].astype(F32)[None]
   for j in range(1, taps):
     dx += _tap(dp_ref, seg_ref, t, seg_t, j, limit) * w_ref[j, :].astype(F32)[None]
   dx_ref[...] = dx.astype(dx_ref.dtype)
@@ -89,8 +98,8 @@ def _specs(Tp, D, Wp, block_t):
   return whole, block, taps, seg
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _conv(taps, normalize, block_t, interpret, x, w, seg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _conv(taps, normalize, block_t, interpret, dp_dtype, x, w, seg):
   return _conv_forward(taps, normalize, block_t, interpret, x, w, seg)
 
 
@@ -104,16 +113,16 @@ def _conv_forward(taps, normalize, block_t, interpret, x, w, seg):
                      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=interpret)
 
 
-def _conv_fwd(taps, normalize, block_t, interpret, x, w, seg):
+def _conv_fwd(taps, normalize, block_t, interpret, dp_dtype, x, w, seg):
   return _conv_forward(taps, normalize, block_t, interpret, x, w, seg), (x, w, seg)
 
 
-def _conv_bwd(taps, normalize, block_t, interpret, res, dy):
-  return _conv_backward(taps, normalize, block_t, interpret, *res, dy) + (None,)
+def _conv_bwd(taps, normalize, block_t, interpret, dp_dtype, res, dy):
+  return _conv_backward(taps, normalize, block_t, interpret, dp_dtype, *res, dy) + (None,)
 
 
-@lowered_once(0, 1, 2, 3)
-def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
+@lowered_once(0, 1, 2, 3, 4)
+def _conv_backward(taps, normalize, block_t, interpret, dp_dtype, x, w, seg, dy):
   """(dx, dw)."""
   B, Tp, H, D = x.shape
   Wp, n = w.shape[0], Tp // block_t
@@ -124,7 +133,7 @@ def _conv_backward(taps, normalize, block_t, interpret, x, w, seg, dy):
   dp, dw_blocks = triton_call(
       kernel, x, w, seg, dy, grid=grid, in_specs=[whole, taps_spec, seg_spec, block],
       out_specs=[block, dw_spec],
-      out_shape=[jax.ShapeDtypeStruct(x.shape, F32),
+      out_shape=[jax.ShapeDtypeStruct(x.shape, dp_dtype),
                  jax.ShapeDtypeStruct((B, n, Wp, H, D), F32)], interpret=interpret)
   kernel = functools.partial(_grad_x_kernel, taps=taps, block_t=block_t)
   dx = triton_call(kernel, dp, w, seg, grid=grid, in_specs=[whole, taps_spec, seg_spec],
@@ -139,8 +148,9 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                       normalize: bool = False, block_t: int = BLOCK_T,
-                      interpret: bool = False) -> jax.Array:
-  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks)."""
+                      dp_dtype: str = DP_DTYPE, interpret: bool = False) -> jax.Array:
+  """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks);
+  dp_dtype: the backward's stored pre-activation gradient (the taps' sums take it fp32)."""
   check_shapes(x, weight, segment_ids)
   B, T, H, D = x.shape
   W = weight.shape[0]
@@ -152,5 +162,6 @@ def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *
     segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Tp - T)), constant_values=-1)
   if (Wp, Dp) != (W, D):
     weight = jnp.pad(weight, ((0, Wp - W), (0, 0), (0, Dp - D)))
-  y = _conv(W, normalize, block_t, interpret, x, weight, segment_ids.astype(jnp.int32))
+  y = _conv(W, normalize, block_t, interpret, jnp.dtype(dp_dtype).name, x, weight,
+            segment_ids.astype(jnp.int32))
   return y[:, :T, :, :D]
