@@ -104,8 +104,8 @@ def run_fla(inp, normalize, reps):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", nargs="+", default=["8,4096,16,128"])
-  p.add_argument("--blocks", default="16,32",
-                 help="our kernels' rows per program, ':bf16' after one: dp stored in bf16")
+  p.add_argument("--blocks", default="16,16:fp32",
+                 help="our kernels' rows per program, ':fp32' after one: dp stored in fp32")
   p.add_argument("--peer", default="fla", choices=["fla", "none"])
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU)")
@@ -124,7 +124,7 @@ def main():
       for spec in a.blocks.split(","):
         bt, _, dp = spec.partition(":")
         fn = functools.partial(short_conv_pallas, block_t=int(bt), interpret=a.interpret,
-                               dp_dtype="bfloat16" if dp == "bf16" else "float32")
+                               dp_dtype="float32" if dp == "fp32" else None)
         runs[f"ours bt{spec}"] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)
       if a.peer == "fla":
         runs["fla"] = lambda: run_fla(inp, normalize, a.reps)

@@ -65,15 +65,16 @@ def test_bf16_kernel_is_as_accurate_as_the_reference():
 
 
 def test_dp_stored_in_bf16_rounds_only_the_input_gradient():
-  """dp_dtype="bfloat16": y and the tap gradients (summed from dp in fp32 inside the kernel)
-  are the fp32-dp kernel's; dx takes one more bf16 rounding, still within bf16 accuracy."""
+  """dp in bf16 (the default for bf16 x): y and the tap gradients (summed from dp in fp32
+  inside the kernel) are the fp32-dp kernel's; dx takes one more bf16 rounding, still within
+  bf16 accuracy."""
   x, w, seg, dy = _inputs(2, 96, 2, 64, 4, seed=1, dtype=jnp.bfloat16)
   exact = _value_and_grads(short_conv_reference, x.astype(jnp.float32), w, seg,
                            dy.astype(jnp.float32), normalize=True)
   run = lambda dp: _value_and_grads(
       lambda *a, **kw: short_conv_pallas(*a, interpret=True, dp_dtype=dp, **kw), x, w, seg,
       dy, normalize=True)
-  (y32, dx32, dw32), (y16, dx16, dw16) = run("float32"), run("bfloat16")
+  (y32, dx32, dw32), (y16, dx16, dw16) = run("float32"), run(None)
   np.testing.assert_array_equal(y16, y32)
   np.testing.assert_array_equal(dw16, dw32)
   assert 0 < _rel(dx16, dx32) < 4e-3 and _rel(dx16, exact[1]) < 4e-3, (

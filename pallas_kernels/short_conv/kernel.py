@@ -1,8 +1,9 @@
 """KDA's short convolution as Pallas Triton kernels, fp32 inside: y = silu(p) (L2-normalized
 if asked), p = sum_j w[j] x[t - j]. A program per (row, block of T, head) gathers its rows
 and the W - 1 before them by index, masked at the start and at document boundaries. Backward
-(only x saved): `_grad_p_kernel` (dp, per-block tap sums), `_grad_x_kernel` (dx = w * dp).
-Storing dp in fp32 beats recomputing it at the W rows each dx row reads (one kernel):
+(only x saved): `_grad_p_kernel` (dp, per-block tap sums from dp in fp32), `_grad_x_kernel`
+(dx = w * dp). Storing dp beats recomputing it at the W rows each dx row reads; stored in x's
+dtype (bf16 in the model), dx takes one more rounding for less traffic:
 benchmarks/results/short_conv.md."""
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pallas_kernels.platform import lowered_once, triton_call
 from pallas_kernels.short_conv.reference import EPS, F32, check_shapes
 
 BLOCK_T = 16
-DP_DTYPE = "float32"
 
 
 def _rows(block_t):
@@ -148,9 +148,10 @@ _conv.defvjp(_conv_fwd, _conv_bwd)
 
 def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *,
                       normalize: bool = False, block_t: int = BLOCK_T,
-                      dp_dtype: str = DP_DTYPE, interpret: bool = False) -> jax.Array:
+                      dp_dtype: str | None = None, interpret: bool = False) -> jax.Array:
   """`short_conv_reference` through the kernels (T, D and W padded to Triton's blocks);
-  dp_dtype: the backward's stored pre-activation gradient (the taps' sums take it fp32)."""
+  dp_dtype: the backward's stored pre-activation gradient, None: x's (the taps' sums take it
+  in fp32 either way)."""
   check_shapes(x, weight, segment_ids)
   B, T, H, D = x.shape
   W = weight.shape[0]
@@ -162,6 +163,6 @@ def short_conv_pallas(x: jax.Array, weight: jax.Array, segment_ids: jax.Array, *
     segment_ids = jnp.pad(segment_ids, ((0, 0), (0, Tp - T)), constant_values=-1)
   if (Wp, Dp) != (W, D):
     weight = jnp.pad(weight, ((0, Wp - W), (0, 0), (0, Dp - D)))
-  y = _conv(W, normalize, block_t, interpret, jnp.dtype(dp_dtype).name, x, weight,
+  y = _conv(W, normalize, block_t, interpret, jnp.dtype(dp_dtype or x.dtype).name, x, weight,
             segment_ids.astype(jnp.int32))
   return y[:, :T, :, :D]
