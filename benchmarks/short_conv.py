@@ -123,6 +123,8 @@ def main():
       runs = {"reference": lambda: run_jax(inp, short_conv_reference, normalize, a.reps)}
       for spec in a.blocks.split(","):
         bt, _, dp = spec.partition(":")
+        if dp not in ("", "fp32"):
+          raise SystemExit(f"--blocks {spec!r}: after ':' only 'fp32' (dp stored in fp32)")
         fn = functools.partial(short_conv_pallas, block_t=int(bt), interpret=a.interpret,
                                dp_dtype="float32" if dp == "fp32" else None)
         runs[f"ours bt{spec}"] = lambda fn=fn: run_jax(inp, fn, normalize, a.reps)

@@ -9,6 +9,7 @@ benchmarks/results/short_conv.md."""
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +43,8 @@ def _window(x_ref, seg_ref, t, seg_t, taps, limit):
 
 def _preact(window, w_ref):
   """sum_j w[j] window[j]; a generator's rows are read as they are summed."""
-  p = 0.0
-  for j, x in enumerate(window):
-    p = p + x * w_ref[j, :].astype(F32)[None]
-  return p
+  return functools.reduce(operator.add, (x * w_ref[j, :].astype(F32)[None]
+                                         for j, x in enumerate(window)))
 
 
 def _act(p, normalize):
