@@ -11,11 +11,12 @@ import sys
 
 import ml_collections
 
-from k3jax.config_error import ConfigError, check
+from k3jax.config_error import ConfigError, check, check_backend
 from k3jax.data.config import data_config, validate_data
 from k3jax.model.config import model_config, validate_model
 from k3jax.optim.config import optimizer_config, validate_optimizer
 from k3jax.parallel.config import mesh_config, validate_mesh
+from pallas_kernels.cross_entropy import BACKENDS as LOSS_BACKENDS
 
 __all__ = ["MODEL_RESTORE_FIELDS", "RESTORE_FIELDS", "ConfigError", "base_config",
            "check_context", "fit_warmup", "skip_batches", "train_config", "validate",
@@ -46,6 +47,9 @@ def train_config() -> ml_collections.ConfigDict:
   t.loss_chunk = 0       # > 0: LM head + loss over this many positions at a time, each
                          # chunk's gradients taken with its logits (divides seq_len); 0: all
                          # at once
+  # pallas_kernels.cross_entropy backend of the loss over the LM head's logits: reference,
+  # kernel (GPU), interpret, auto (kernel on GPU)
+  t.loss_backend = "auto"
   # XLA options "name=value", comma/space separated; xla_tpu_*/xla_gpu_*/xla_cpu_* apply
   # on that platform only
   t.xla_options = ""
@@ -156,6 +160,7 @@ def _validate_train(c: ml_collections.ConfigDict) -> None:
   check(t.loss_chunk >= 0 and (t.loss_chunk == 0 or t.seq_len % t.loss_chunk == 0),
         "train.loss_chunk", f"{t.loss_chunk} must be 0 or a positive divisor of "
         f"train.seq_len={t.seq_len}")
+  check_backend("train.loss_backend", t.loss_backend, LOSS_BACKENDS)
   seq_ways = [p.context] + ([p.expert] if p.expert_splits == "seq" else [])
   if -1 not in seq_ways:
     check_context(c, math.prod(seq_ways))

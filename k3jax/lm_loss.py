@@ -14,23 +14,22 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import axes
+from pallas_kernels import cross_entropy as ce_ops
 
 LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (head parameters, h [B, T, d]) -> logits
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-                  denominator: jax.Array | None = None) -> jax.Array:
+                  denominator: jax.Array | None = None, backend: str = "reference") -> jax.Array:
   """sum(nll * weights) / denominator in nats; logits [B, T, V], targets/weights [B, T].
-  Default denominator: max(sum(weights), 1); microbatches pass the whole batch's."""
-  logits = logits.astype(jnp.float32)
-  logz = jax.nn.logsumexp(logits, axis=-1)
-  # The target's logit by a select, not a gather: its gradient is a select too, where a
-  # gather's is a scatter-add that deterministic XLA rewrites element by element over [B, T, V]
-  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
-  picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+  Default denominator: max(sum(weights), 1); microbatches pass the whole batch's. backend:
+  `pallas_kernels.cross_entropy`'s, which reads the logits as they are."""
+  spec = axes.logical_to_spec(("batch", "seq", "vocab"))
+  nll = ce_ops.cross_entropy(logits, targets, backend=backend, mesh=axes.current_mesh(),
+                             batch_axis=spec[0], seq_axis=spec[1], vocab_axis=spec[2])
   if denominator is None:
     denominator = token_count(weights)
-  return jnp.sum((logz - picked) * weights) / denominator
+  return jnp.sum(nll * weights) / denominator
 
 
 def token_count(weights: jax.Array) -> jax.Array:
@@ -40,7 +39,7 @@ def token_count(weights: jax.Array) -> jax.Array:
 
 def chunked_cross_entropy(logits_fn: LogitsFn, head: Any, h: jax.Array, targets: jax.Array,
                           weights: jax.Array, denominator: jax.Array | None = None,
-                          chunk: int = 0) -> jax.Array:
+                          chunk: int = 0, backend: str = "reference") -> jax.Array:
   """`cross_entropy(logits_fn(head, h), ...)`, `chunk` positions at a time so only [B, chunk,
   V] logits exist. head: the LM head's parameters (a pytree, differentiated), h [B, T, d].
   With `seq` split over s devices each chunk takes a piece of every slice, so T must split
@@ -49,7 +48,7 @@ def chunked_cross_entropy(logits_fn: LogitsFn, head: Any, h: jax.Array, targets:
   if denominator is None:
     denominator = token_count(weights)
   if not chunk or chunk >= t:
-    return cross_entropy(logits_fn(head, h), targets, weights, denominator)
+    return cross_entropy(logits_fn(head, h), targets, weights, denominator, backend)
   s = axes.split_ways("seq")
   if t % (s * chunk):
     slices = f"{s} context slices of " if s > 1 else ""
@@ -61,27 +60,29 @@ def chunked_cross_entropy(logits_fn: LogitsFn, head: Any, h: jax.Array, targets:
     x = jnp.moveaxis(x.reshape(b, s, n, chunk, *x.shape[2:]), 2, 0)
     return x.reshape(n, b, s * chunk, *x.shape[4:])
 
-  return _chunked_loss(logits_fn, head, pieces(h), pieces(targets), pieces(weights),
+  return _chunked_loss(logits_fn, backend, head, pieces(h), pieces(targets), pieces(weights),
                        denominator)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_loss(logits_fn, head, h, targets, weights, denominator):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_loss(logits_fn, backend, head, h, targets, weights, denominator):
   """The loss over chunks h [n, B, c, d] (targets, weights [n, B, c]), without gradients."""
   def body(total, xs):
     h, targets, weights = xs
-    return total + cross_entropy(logits_fn(head, h), targets, weights, denominator), None
+    loss = cross_entropy(logits_fn(head, h), targets, weights, denominator, backend)
+    return total + loss, None
 
   return jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, targets, weights))[0]
 
 
-def _chunked_loss_fwd(logits_fn, head, h, targets, weights, denominator):
+def _chunked_loss_fwd(logits_fn, backend, head, h, targets, weights, denominator):
   """The loss and, chunk by chunk, its gradients for the head (summed in fp32) and for h."""
   def body(carry, xs):
     total, d_head = carry
     h, targets, weights = xs
     logits, head_vjp = jax.vjp(logits_fn, head, h)
-    loss, d_logits = jax.value_and_grad(cross_entropy)(logits, targets, weights, denominator)
+    loss, d_logits = jax.value_and_grad(cross_entropy)(logits, targets, weights, denominator,
+                                                       backend)
     d_head_chunk, d_h = head_vjp(d_logits)
     d_head = jax.tree.map(lambda acc, d: acc + d.astype(jnp.float32), d_head, d_head_chunk)
     return (total + loss, d_head), d_h
@@ -92,10 +93,10 @@ def _chunked_loss_fwd(logits_fn, head, h, targets, weights, denominator):
   return total, (d_head, d_h, head)
 
 
-def _chunked_loss_bwd(logits_fn, residuals, g):
+def _chunked_loss_bwd(logits_fn, backend, residuals, g):
   """Scales the forward's gradients by the loss's cotangent g; none for targets, weights or
   the denominator (data)."""
-  del logits_fn
+  del logits_fn, backend
   d_head, d_h, head = residuals
   d_head = jax.tree.map(lambda d, p: (g * d).astype(p.dtype), d_head, head)
   d_h = (g * d_h.astype(jnp.float32)).astype(d_h.dtype)

@@ -134,7 +134,7 @@ def build(cfg, mesh: Mesh) -> Program:
       jax.eval_shape(init), state_sh)
   train_step, eval_step = make_steps(
       graphdef, tx, qk_clip_tau=cfg.optimizer.qk_clip_tau, microbatches=t.microbatches,
-      loss_chunk=t.loss_chunk,
+      loss_chunk=t.loss_chunk, loss_backend=t.loss_backend,
       views=compute_views(abs_params) if t.cast_params_once else None,
       stacks=abstract.unrolled_stacks(abs_params))
   options = compiler_options(t.xla_options, mesh, deterministic=t.deterministic)

@@ -79,7 +79,8 @@ def _loss_and_grads(loss_fn, params, rest, batch, microbatches: int, views, stac
 
 
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
-               microbatches: int = 1, loss_chunk: int = 0, views: Any = None,
+               microbatches: int = 1, loss_chunk: int = 0, loss_backend: str = "reference",
+               views: Any = None,
                stacks: Any = None):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
   Microbatches run under `jax.lax.scan` and sum to the batch's update. After the update:
@@ -97,7 +98,7 @@ def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float
     h, aux = model.hidden(batch["inputs"], batch["segment_ids"], media)
     with jax.named_scope("lm_head_loss"):
       loss = chunked_cross_entropy(*model.lm_head_fn(), h, batch["targets"],
-                                   batch["weights"], denominator, loss_chunk)
+                                   batch["weights"], denominator, loss_chunk, loss_backend)
     if tokens is None:
       tokens = token_count(batch["segment_ids"] > 0)
     balance = model.balance_loss(aux, tokens)
