@@ -44,6 +44,26 @@ def test_chunked_cross_entropy_equals_whole_logits(chunk):
       np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
 
 
+def test_the_kernel_in_chunks_equals_the_reference_whole():
+  """`backend="interpret"` (the cross-entropy kernel) inside the chunked loss: the loss and
+  gradients of the reference over the whole logits."""
+  rng = np.random.default_rng(1)
+  h = rng.normal(size=(2, 16, 16)).astype(np.float32)
+  w = (rng.normal(size=(16, 256)) / 4).astype(np.float32)
+  targets = rng.integers(0, 256, (2, 16)).astype(np.int32)
+  weights = (rng.random((2, 16)) > 0.3).astype(np.float32)
+
+  def loss(backend, chunk):
+    return jax.jit(jax.value_and_grad(lambda h, w: chunked_cross_entropy(
+        _head, w, h, targets, weights, None, chunk, backend), argnums=(0, 1)))(h, w)
+
+  ref, ref_grads = loss("reference", 0)
+  got, grads = loss("interpret", 8)
+  np.testing.assert_allclose(got, ref, rtol=1e-6)
+  for g, r in zip(grads, ref_grads, strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
+
+
 def test_chunked_cross_entropy_never_forms_the_whole_logits():
   """With chunks of 8 no [B, T, V] = [2, 32, 64] array is in the compiled step (forward and
   backward); with chunk 0 it is."""
