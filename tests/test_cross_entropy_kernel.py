@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from pallas_kernels.cross_entropy import cross_entropy, cross_entropy_pallas
 
 
-def problem(shape=(2, 6, 768), dtype=jnp.float32, seed=0):
+def problem(shape=(3, 5, 768), dtype=jnp.float32, seed=0):
   """logits [B, T, V] (one row all -inf, one with -inf entries), targets with one outside
   [0, V) (it picks nothing), a cotangent per position."""
   b, t, v = shape
@@ -72,8 +72,8 @@ def test_auto_takes_the_reference_off_gpus_and_where_blocks_do_not_divide():
   logits, targets, _ = problem((1, 3, 100))
   text = jax.jit(lambda x: cross_entropy(x, targets, backend="auto",
                                          platform="cuda")).lower(logits).as_text()
-  assert "triton" not in text.lower()   # 3 rows, a vocabulary of 100: no blocks fit
-  with pytest.raises(ValueError, match="3 rows x 100 vocabulary entries"):
+  assert "triton" not in text.lower()   # a vocabulary of 100: no blocks fit
+  with pytest.raises(ValueError, match="a vocabulary of 100 entries"):
     cross_entropy_pallas(logits, targets, interpret=True)
   with pytest.raises(ValueError, match="unknown cross-entropy backend 'triton'"):
     cross_entropy(logits, targets, backend="triton")
