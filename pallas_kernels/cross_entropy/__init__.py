@@ -30,11 +30,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, *, backend: str = "refe
   check_backend("cross-entropy", backend, BACKENDS)
   split = mesh is not None and any(a is not None for a in (batch_axis, seq_axis, vocab_axis))
   if backend == "auto":
-    B, T, V = logits.shape
-    if split:
-      B, T, V = (n // axis_size(mesh, a) for n, a in
-                 ((B, batch_axis), (T, seq_axis), (V, vocab_axis)))
-    fits = supports(B * T, V)
+    fits = supports(logits.shape[-1] // (axis_size(mesh, vocab_axis) if split else 1))
     backend = "kernel" if target_platform(mesh, platform) == "gpu" and fits else "reference"
   if backend == "reference":
     return cross_entropy_reference(logits, targets)

@@ -19,10 +19,10 @@ F32 = jnp.float32
 BLOCK_ROWS, BLOCK_V = 2, 2048
 
 
-def supports(rows: int, vocab: int) -> bool:
-  """Whether the kernel takes logits [rows, vocab]: its vocabulary blocks must divide it (it
-  reads no padding: padding the logits would be a pass of its own)."""
-  del rows   # a block of rows shrinks to one
+def supports(vocab: int) -> bool:
+  """Whether the kernel takes logits [..., vocab] (any number of rows: a block of rows
+  shrinks to one): its vocabulary blocks must divide it (it reads no padding, which would be
+  a pass over the logits of its own)."""
   return vocab % 128 == 0
 
 
@@ -74,7 +74,7 @@ def cross_entropy_pieces(logits: jax.Array, targets: jax.Array, *, vocab_start=0
   cut to the largest power of two dividing the shape)."""
   *lead, vocab = logits.shape
   rows = math.prod(lead)
-  if not supports(rows, vocab):
+  if not supports(vocab):
     raise ValueError(f"cross_entropy kernel: a vocabulary of {vocab} entries does not split "
                      "into its blocks (multiples of 128)")
   local = (targets - vocab_start).astype(jnp.int32).reshape(rows)
