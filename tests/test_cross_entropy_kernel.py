@@ -12,8 +12,9 @@ from pallas_kernels.cross_entropy import cross_entropy, cross_entropy_pallas
 
 
 def problem(shape=(3, 5, 768), dtype=jnp.float32, seed=0):
-  """logits [B, T, V] (one row all -inf, one with -inf entries), targets with one outside
-  [0, V) (it picks nothing), a cotangent per position."""
+  """logits [B, T, V] (one row's first half -inf: the kernel's first blocks see only -inf),
+  targets in the finite half and one outside [0, V) (it picks nothing), a cotangent per
+  position."""
   b, t, v = shape
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   logits = 4.0 * jax.random.normal(k1, shape, jnp.float32)
