@@ -4,6 +4,7 @@ kernels.
   python benchmarks/train_step.py --config=... --profile_dir=/tmp/prof
   python -m k3jax.train --config=... --profile_steps=5      # traces into <workdir>/profile
   python benchmarks/gpu_trace.py /tmp/prof
+  python benchmarks/gpu_trace.py /tmp/before /tmp/after     # components side by side
 
 Reads the Perfetto copy that `jax.profiler.trace(..., create_perfetto_trace=True)` writes
 (`**/perfetto_trace.json.gz`, the newest) and takes the kernels on the GPU's stream lines
@@ -292,20 +293,52 @@ def _next_twin(hlo: Hlo, cursor, inst: str, turns: dict) -> str:
   return twins[turn]
 
 
-def component_table(kernels: list[Kernel], hlo: Hlo,
-                    attributed: list[Attribution] | None = None) -> list[str]:
-  """Markdown rows: kernel ms per component and phase, the component's share, then idle
-  and how the kernels were attributed (`attribute`, unless given)."""
+ORDER = tuple(dict.fromkeys([*SCOPES.values(), "other", "unattributed"]))
+
+
+def _phase_ms(kernels: list[Kernel], hlo: Hlo, attributed: list[Attribution] | None):
+  """({(component, phase): kernel ms}, {how attributed: kernel ms})."""
   ms, how_ms = collections.defaultdict(float), collections.Counter()
   for k, (op, how, _) in zip(kernels, attributed or attribute(kernels, hlo)):
     comp, phase = component(op) if op else ("unattributed", "forward")
     ms[comp, phase] += k.dur / 1e3
     how_ms[how or "unattributed"] += k.dur / 1e3
+  return ms, how_ms
+
+
+def component_ms(kernels: list[Kernel], hlo: Hlo) -> dict[str, float]:
+  """Kernel ms per component over all phases, then "idle" (no kernel running) and "span"
+  (first kernel's start to last one's end)."""
+  ms, _ = _phase_ms(kernels, hlo, None)
+  out = {c: sum(v for (comp, _), v in ms.items() if comp == c) for c in ORDER}
+  busy, span = busy_span(kernels)
+  return {**{c: v for c, v in out.items() if v}, "idle": (span - busy) / 1e3,
+          "span": span / 1e3}
+
+
+def compare_table(before: dict[str, float], after: dict[str, float],
+                  names: tuple[str, str] = ("before", "after")) -> list[str]:
+  """Markdown rows: each component's ms in two traced steps (`component_ms`), side by side
+  with the change; a component one step lacks counts 0 there."""
+  rows = [f"| component | {names[0]} ms | {names[1]} ms | change ms | change |",
+          "|---|---|---|---|---|"]
+  for comp in dict.fromkeys([*ORDER, *before, *after]):
+    b, a = before.get(comp, 0.0), after.get(comp, 0.0)
+    if b or a:
+      rel = f"{(a - b) / b:+.1%}" if b else "new"
+      rows.append(f"| {comp} | {b:.1f} | {a:.1f} | {a - b:+.1f} | {rel} |")
+  return rows
+
+
+def component_table(kernels: list[Kernel], hlo: Hlo,
+                    attributed: list[Attribution] | None = None) -> list[str]:
+  """Markdown rows: kernel ms per component and phase, the component's share, then idle
+  and how the kernels were attributed (`attribute`, unless given)."""
+  ms, how_ms = _phase_ms(kernels, hlo, attributed)
   total = sum(ms.values())
   rows = ["| component | forward ms | recompute ms | backward ms | update ms | total ms | share |",
           "|---|---|---|---|---|---|---|"]
-  order = list(dict.fromkeys([*SCOPES.values(), "other", "unattributed"]))
-  for comp in order:
+  for comp in ORDER:
     cells = [ms.get((comp, ph), 0.0) for ph in PHASES]
     if sum(cells):
       rows.append(f"| {comp} | " + " | ".join(f"{c:.1f}" for c in cells)
@@ -378,7 +411,20 @@ def kind(name: str) -> str:
   return next(k for k, pattern in KINDS if re.search(pattern, low))
 
 
+def _traced(directory: pathlib.Path) -> tuple[list[Kernel], Hlo]:
+  """A trace directory's GPU kernels and its program (the newest `*.hlo.txt`)."""
+  kernels = gpu_kernels(load(directory))
+  hlo = sorted(directory.rglob("*.hlo.txt"), key=lambda f: f.stat().st_mtime)
+  if not kernels or not hlo:
+    raise SystemExit(f"{directory}: a comparison needs GPU kernels and the program's HLO")
+  return kernels, parse_hlo(hlo[-1].read_text())
+
+
 def main(argv):
+  if len(argv) == 3:  # two traced steps: components side by side
+    before, after = (component_ms(*_traced(pathlib.Path(d))) for d in argv[1:])
+    print("\n".join(compare_table(before, after, (argv[1], argv[2]))))
+    return
   if len(argv) != 2:
     raise SystemExit(__doc__)
   directory = pathlib.Path(argv[1])

@@ -112,6 +112,28 @@ def test_kernels_in_a_command_buffer_follow_the_schedule():
       "1 TFLOP/s")
 
 
+def test_two_traced_steps_compare_by_component():
+  """The before/after table: each component's kernel ms summed over its phases in each
+  step, the change, idle time beside them; a component one step lacks counts 0 there."""
+  hlo = gpu_trace.parse_hlo(HLO)
+  def step(graph):
+    return [gpu_trace.Kernel(name, 1e3 * 40 * i, 1e3 * ms, "command_buffer_7", "")
+            for i, (name, ms) in enumerate(graph)]
+  before = gpu_trace.component_ms(step([("fusion_1", 10), ("nvjet_sm90_tst_128x256", 20),
+                                        ("sm90_xmma_gemm_bf16", 30)]), hlo)
+  after = gpu_trace.component_ms(step([("fusion_1", 10), ("nvjet_sm90_tst_128x256", 5),
+                                       ("fusion_6", 8)]), hlo)
+  assert before == {"kda": 30.0, "mla": 30.0, "idle": 50.0, "span": 110.0}, before
+  assert after == {"kda": 15.0, "optimizer": 8.0, "idle": 65.0, "span": 88.0}, after
+  table = gpu_trace.compare_table(before, after)
+  assert table[0] == "| component | before ms | after ms | change ms | change |"
+  assert "| kda | 30.0 | 15.0 | -15.0 | -50.0% |" in table, table
+  assert "| mla | 30.0 | 0.0 | -30.0 | -100.0% |" in table, table
+  assert "| optimizer | 0.0 | 8.0 | +8.0 | new |" in table, table
+  assert table[-2:] == ["| idle | 50.0 | 65.0 | +15.0 | +30.0% |",
+                        "| span | 110.0 | 88.0 | -22.0 | -20.0% |"], table
+
+
 def test_costs_are_a_fusions_bytes_and_a_matmuls_flops():
   """A run's cost: an elementwise launch reads its operands and writes its result; a cuBLAS
   call does 2 m n k FLOPs (k from its dot dimensions), [64, 16] x [16, 32] here."""
