@@ -4,7 +4,7 @@ kernels.
   python benchmarks/train_step.py --config=... --profile_dir=/tmp/prof
   python -m k3jax.train --config=... --profile_steps=5      # traces into <workdir>/profile
   python benchmarks/gpu_trace.py /tmp/prof
-  python benchmarks/gpu_trace.py /tmp/before /tmp/after     # components side by side
+  python benchmarks/gpu_trace.py /tmp/before /tmp/after     # side by side
 
 Reads the Perfetto copy that `jax.profiler.trace(..., create_perfetto_trace=True)` writes
 (`**/perfetto_trace.json.gz`, the newest) and takes the kernels on the GPU's stream lines
@@ -316,11 +316,20 @@ def component_ms(kernels: list[Kernel], hlo: Hlo) -> dict[str, float]:
           "span": span / 1e3}
 
 
+def kind_ms(kernels: list[Kernel]) -> dict[str, float]:
+  """Kernel ms per kind (`KINDS`, by kernel name alone: no attribution involved)."""
+  ms = collections.Counter()
+  for k in kernels:
+    ms[kind(k.name)] += k.dur / 1e3
+  return {k: ms[k] for k, _ in KINDS if ms[k]}
+
+
 def compare_table(before: dict[str, float], after: dict[str, float],
-                  names: tuple[str, str] = ("before", "after")) -> list[str]:
-  """Markdown rows: each component's ms in two traced steps (`component_ms`), side by side
-  with the change; a component one step lacks counts 0 there."""
-  rows = [f"| component | {names[0]} ms | {names[1]} ms | change ms | change |",
+                  names: tuple[str, str] = ("before", "after"),
+                  label: str = "component") -> list[str]:
+  """Markdown rows: each component's (or kind's) ms in two traced steps (`component_ms`,
+  `kind_ms`), side by side with the change; one a step lacks counts 0 there."""
+  rows = [f"| {label} | {names[0]} ms | {names[1]} ms | change ms | change |",
           "|---|---|---|---|---|"]
   for comp in dict.fromkeys([*ORDER, *before, *after]):
     b, a = before.get(comp, 0.0), after.get(comp, 0.0)
@@ -421,9 +430,11 @@ def _traced(directory: pathlib.Path) -> tuple[list[Kernel], Hlo]:
 
 
 def main(argv):
-  if len(argv) == 3:  # two traced steps: components side by side
-    before, after = (component_ms(*_traced(pathlib.Path(d))) for d in argv[1:])
-    print("\n".join(compare_table(before, after, (argv[1], argv[2]))))
+  if len(argv) == 3:  # two traced steps: components, then kinds, side by side
+    (kb, hb), (ka, ha) = (_traced(pathlib.Path(d)) for d in argv[1:])
+    names = (argv[1], argv[2])
+    print("\n".join(compare_table(component_ms(kb, hb), component_ms(ka, ha), names)), "\n")
+    print("\n".join(compare_table(kind_ms(kb), kind_ms(ka), names, label="kind")))
     return
   if len(argv) != 2:
     raise SystemExit(__doc__)

@@ -113,8 +113,9 @@ def test_kernels_in_a_command_buffer_follow_the_schedule():
 
 
 def test_two_traced_steps_compare_by_component():
-  """The before/after table: each component's kernel ms summed over its phases in each
-  step, the change, idle time beside them; a component one step lacks counts 0 there."""
+  """The before/after tables: each component's kernel ms summed over its phases in each
+  step, the change, idle time beside them (a component one step lacks counts 0 there); and
+  the same by kernel kind."""
   hlo = gpu_trace.parse_hlo(HLO)
   def step(graph):
     return [gpu_trace.Kernel(name, 1e3 * 40 * i, 1e3 * ms, "command_buffer_7", "")
@@ -132,6 +133,13 @@ def test_two_traced_steps_compare_by_component():
   assert "| optimizer | 0.0 | 8.0 | +8.0 | new |" in table, table
   assert table[-2:] == ["| idle | 50.0 | 65.0 | +15.0 | +30.0% |",
                         "| span | 110.0 | 88.0 | -22.0 | -20.0% |"], table
+  # by kind: the kernels' names alone, no attribution to go wrong
+  kinds = gpu_trace.compare_table(
+      gpu_trace.kind_ms(step([("fusion_1", 10), ("sm90_xmma_gemm_bf16", 30)])),
+      gpu_trace.kind_ms(step([("fusion_1", 4), ("nvjet_sm90_tst_128x256", 5)])), label="kind")
+  assert kinds[0] == "| kind | before ms | after ms | change ms | change |"
+  assert "| cuBLAS / cuDNN matmuls | 30.0 | 5.0 | -25.0 | -83.3% |" in kinds, kinds
+  assert "| other XLA kernels | 10.0 | 4.0 | -6.0 | -60.0% |" in kinds, kinds
 
 
 def test_costs_are_a_fusions_bytes_and_a_matmuls_flops():
@@ -204,7 +212,7 @@ def test_a_reused_kernel_run_out_of_schedule_order_stays_in_its_layer():
                    (f"{kind}.4", "mla"), ("custom-call.5", "mla")], (kind, got)
 
 
-def test_a_cpu_trace_of_a_scoped_step_is_split_by_component(tmp_path):
+def test_a_cpu_trace_of_a_scoped_step_is_split_by_component(tmp_path, capsys):
   """End to end on this machine: the profiler's trace of a jitted gradient step whose parts
   run under the model's scope names, the compiled HLO beside it."""
   def loss(w, x):
@@ -228,6 +236,14 @@ def test_a_cpu_trace_of_a_scoped_step_is_split_by_component(tmp_path):
   for row in ("kda", "moe.experts"):   # forward and backward both ran
     fwd, _, bwd = (float(c) for c in rows[row].split(" | ")[1:4])
     assert fwd > 0 and bwd > 0, table
+  # the command line, given the trace twice: the two tables, every change zero
+  (tmp_path / "train_step.hlo.txt").write_text(compiled.as_text())
+  gpu_trace.main(["gpu_trace.py", str(tmp_path), str(tmp_path)])
+  out = capsys.readouterr().out
+  assert "| component | " in out and "| kind | " in out, out
+  changes = [line.split(" | ")[3] for line in out.splitlines() if line.count("|") == 6
+             and not line.startswith(("| component", "| kind", "|---"))]
+  assert changes and set(changes) == {"+0.0"}, out
 
 
 @pytest.mark.parametrize("spec, want", [("5", (5, 5)), ("3,7", (3, 7)), ("", None),
