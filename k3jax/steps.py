@@ -80,15 +80,15 @@ def _loss_and_grads(loss_fn, params, rest, batch, microbatches: int, views, stac
 
 def make_steps(graphdef, tx: optax.GradientTransformation, *, qk_clip_tau: float = 0.0,
                microbatches: int = 1, loss_chunk: int = 0, loss_backend: str = "reference",
-               views: Any = None,
-               stacks: Any = None):
+               views: Any = None, stacks: Any = None):
   """The jitted-to-be train and eval steps over (params, rest, opt_state, batch).
   Microbatches run under `jax.lax.scan` and sum to the batch's update. After the update:
   the balancing bias update and QK-Clip. out["loss"] is the LM loss (plus
   out["moe_aux_loss"] in the gradient). A non-finite step changes nothing, out["skipped"]
   = 1. views (`train.cast_params_once`): applied once per step, same gradients. stacks
   (`K3Model.unrolled_stacks`): the layers a model unrolled in Python slices out of stacked
-  leaves, sliced once per step, not in every microbatch; same gradients."""
+  leaves, sliced once per step, not in every microbatch; same gradients. loss_chunk,
+  loss_backend: `chunked_cross_entropy`'s chunk and backend (`train.loss_*`)."""
   def loss_fn(params, rest, batch, denominator=None, tokens=None):
     """(LM + balancing loss, (LM loss, balancing loss, aux)); None denominators: this batch's."""
     model = nnx.merge(graphdef, params, rest)

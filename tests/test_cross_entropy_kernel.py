@@ -69,11 +69,17 @@ def test_vocabulary_split_over_devices_equals_the_whole():
   np.testing.assert_allclose(got_grad, ref_grad, rtol=1e-6, atol=1e-7)
 
 
-def test_auto_takes_the_reference_off_gpus_and_where_blocks_do_not_divide():
+def _lowered_for(platform, logits, targets):
+  return jax.jit(lambda x: cross_entropy(x, targets, backend="auto", platform=platform)).trace(
+      logits).lower(lowering_platforms=(platform,)).as_text().lower()
+
+
+def test_auto_takes_the_kernel_on_gpus_only_and_where_blocks_divide():
+  logits, targets, _ = problem((1, 3, 256))
+  assert "triton" in _lowered_for("cuda", logits, targets)
+  assert "triton" not in _lowered_for("cpu", logits, targets)
   logits, targets, _ = problem((1, 3, 100))
-  text = jax.jit(lambda x: cross_entropy(x, targets, backend="auto",
-                                         platform="cuda")).lower(logits).as_text()
-  assert "triton" not in text.lower()   # a vocabulary of 100: no blocks fit
+  assert "triton" not in _lowered_for("cuda", logits, targets)  # no blocks fit 100
   with pytest.raises(ValueError, match="a vocabulary of 100 entries"):
     cross_entropy_pallas(logits, targets, interpret=True)
   with pytest.raises(ValueError, match="unknown cross-entropy backend 'triton'"):

@@ -58,14 +58,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, *, backend: str = "refe
 def _with_gradient(pieces):
   """logsumexp - picked from pieces (logits [..., V], targets [...] -> fp32 (logsumexp,
   picked) [...]), with the cross-entropy's gradient for the logits (none for the targets)."""
-  @jax.custom_vjp
-  def f(logits, targets):
-    lse, picked = pieces(logits, targets)
-    return lse - picked
-
   def fwd(logits, targets):
     lse, picked = pieces(logits, targets)
     return lse - picked, (logits, targets, lse)
+
+  @jax.custom_vjp
+  def f(logits, targets):
+    return fwd(logits, targets)[0]
 
   def bwd(res, g):
     logits, targets, lse = res

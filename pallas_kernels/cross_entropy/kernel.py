@@ -27,7 +27,7 @@ def supports(vocab: int) -> bool:
 
 
 def _blocks(rows: int, vocab: int, block_rows: int, block_v: int) -> tuple[int, int]:
-  """The largest powers of two up to (block_rows, block_v) dividing (rows, vocab)."""
+  """The largest divisors of (block_rows, block_v) that divide (rows, vocab)."""
   return math.gcd(rows, block_rows), math.gcd(vocab, block_v)
 
 
@@ -71,7 +71,7 @@ def cross_entropy_pieces(logits: jax.Array, targets: jax.Array, *, vocab_start=0
   """(logsumexp(logits), logits[targets - vocab_start], 0 where that is outside [0, V)), fp32
   [...] each, for logits [..., V] holding the vocabulary from vocab_start; no gradient (the
   dispatcher gives one). A program takes block_rows rows, block_v entries at a time (each
-  cut to the largest power of two dividing the shape)."""
+  cut to its largest divisor that divides the shape, `_blocks`)."""
   *lead, vocab = logits.shape
   rows = math.prod(lead)
   if not supports(vocab):
