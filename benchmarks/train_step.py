@@ -201,14 +201,16 @@ def time_train_step(cfg, prog, batch):
   more step traced, its HLO beside the trace; then each --compile_with set's row."""
   t = cfg.train
   with prog.rules():
-    state = prog.fresh_state()
+    # compiled before the state is drawn, as k3jax.train does: the autotuner's buffers come
+    # and go in an empty pool, and the state sits at its low end
     t0 = time.perf_counter()
-    lowered = prog.train_step.lower(*state, batch)
+    lowered = prog.lower_train_step()
     step = lowered.compile()
     print(f"# train step compiled in {time.perf_counter() - t0:.0f} s "
           f"({t.microbatches} microbatches of {t.global_batch // t.microbatches} rows)",
           flush=True)
     wait_for_sharers()
+    state = prog.fresh_state()
     state, times, losses = run_steps(step, state, batch)
     if _PROFILE_DIR.value:
       with jax.profiler.trace(_PROFILE_DIR.value, create_perfetto_trace=True):
@@ -217,7 +219,8 @@ def time_train_step(cfg, prog, batch):
       # the program's HLO, whose op names gpu_trace.py maps kernels to components by
       pathlib.Path(_PROFILE_DIR.value, "train_step.hlo.txt").write_text(step.as_text())
     for spec in _COMPILE_WITH.value:
-      options = k3config.xla_options(spec, jax.devices()[0].platform)
+      options = program.compiler_options(f"{t.xla_options} {spec}", prog.mesh,
+                                         deterministic=t.deterministic)
       t0 = time.perf_counter()
       other = lowered.compile(compiler_options=options)
       compile_s = time.perf_counter() - t0
