@@ -22,8 +22,9 @@ Reads the Perfetto copy that `jax.profiler.trace(..., create_perfetto_trace=True
   tell apart one kernel's launches for different ops, each with its rate (the bytes an
   elementwise launch moves or a cuBLAS matmul's FLOPs, `hlo_launches.costs`, per second),
   and one line of the rate of all of them: what is bandwidth-bound and what is slow;
-- the 25 heaviest kernels; and the span from the first kernel's start to the last one's
-  end with the time no kernel ran (idle).
+- the 25 heaviest kernels; the span from the first kernel's start to the last one's end
+  with the time no kernel ran (idle); that idle time by gap length, and the longest gaps
+  with the kernels before and after them.
 """
 
 from __future__ import annotations
@@ -415,6 +416,37 @@ def busy_span(kernels: list[Kernel]) -> tuple[float, float]:
   return busy, end - min(k.start for k in kernels)
 
 
+# idle gaps by length, us: launch-boundary bubbles, short host waits, long stalls
+GAP_BUCKETS = ((0.0, 10.0), (10.0, 100.0), (100.0, float("inf")))
+
+
+def idle_gaps(kernels: list[Kernel]) -> list[tuple[float, Kernel, Kernel]]:
+  """(us, the kernel that ran last before, the kernel that ends it) for each stretch in
+  which no kernel ran, longest first."""
+  out, last = [], None
+  for k in sorted(kernels, key=lambda k: k.start):
+    if last is not None and k.start > last.start + last.dur:
+      out.append((k.start - last.start - last.dur, last, k))
+    if last is None or k.start + k.dur > last.start + last.dur:
+      last = k
+  return sorted(out, key=lambda g: -g[0])
+
+
+def gap_table(kernels: list[Kernel], top: int = 10) -> list[str]:
+  """Markdown: idle time by gap length, then the `top` longest gaps with the kernels around
+  them (what the GPU waited after, what it waited for)."""
+  gaps = idle_gaps(kernels)
+  rows = ["| idle gaps, us | gaps | ms |", "|---|---|---|"]
+  for lo, hi in GAP_BUCKETS:
+    part = [g for g, *_ in gaps if lo <= g < hi]
+    rows.append(f"| {lo:.0f} to {hi:.0f} | {len(part)} | {sum(part) / 1e3:.1f} |"
+                .replace("to inf", "and more"))
+  rows += ["", "| gap us | after | before |", "|---|---|---|"]
+  rows += [f"| {g:.0f} | `{a.name[:50]}` ({kind(a.name)}) | `{b.name[:50]}` ({kind(b.name)}) |"
+           for g, a, b in gaps[:top]]
+  return rows
+
+
 def kind(name: str) -> str:
   low = name.lower()
   return next(k for k, pattern in KINDS if re.search(pattern, low))
@@ -468,7 +500,8 @@ def main(argv):
     print(f"| `{name[:80]}` | {kind(name)} | {sum(d) / 1e3:.1f} | {len(d)} |")
   busy, span = busy_span(kernels)
   print(f"\nspan {span / 1e3:.1f} ms, a kernel running {busy / 1e3:.1f} ms, "
-        f"idle {(span - busy) / 1e3:.1f} ms ({(span - busy) / span:.1%})")
+        f"idle {(span - busy) / 1e3:.1f} ms ({(span - busy) / span:.1%})\n")
+  print("\n".join(gap_table(kernels)))
 
 
 if __name__ == "__main__":

@@ -142,6 +142,27 @@ def test_two_traced_steps_compare_by_component():
   assert "| other XLA kernels | 10.0 | 4.0 | -6.0 | -60.0% |" in kinds, kinds
 
 
+def test_idle_time_is_told_by_gap_length_with_the_kernels_around_the_longest():
+  """The gaps no kernel ran in add up to the step's idle time; a kernel still running on
+  another stream closes no gap; each gap names the kernel before and after it."""
+  def k(name, start, dur):
+    return gpu_trace.Kernel(name, start, dur, "", "")
+  kernels = [k("fusion_1", 0, 10), k("nvjet_sm90_tst", 12, 20), k("fusion_2", 15, 5),
+             k("mosaic_gpu_gmm", 40, 5), k("fusion_3", 200, 1), k("_chunk_bwd_kernel", 250, 1)]
+  gaps = gpu_trace.idle_gaps(kernels)
+  assert [(g, a.name, b.name) for g, a, b in gaps] == [
+      (155, "mosaic_gpu_gmm", "fusion_3"), (49, "fusion_3", "_chunk_bwd_kernel"),
+      (8, "nvjet_sm90_tst", "mosaic_gpu_gmm"), (2, "fusion_1", "nvjet_sm90_tst")]
+  busy, span = gpu_trace.busy_span(kernels)
+  assert sum(g for g, *_ in gaps) == span - busy
+  table = gpu_trace.gap_table(kernels, top=2)
+  assert table[2:5] == ["| 0 to 10 | 2 | 0.0 |", "| 10 to 100 | 1 | 0.0 |",
+                        "| 100 and more | 1 | 0.2 |"], table
+  assert table[-2:] == [
+      "| 155 | `mosaic_gpu_gmm` (grouped matmuls (Mosaic GPU)) | `fusion_3` (other XLA kernels) |",
+      "| 49 | `fusion_3` (other XLA kernels) | `_chunk_bwd_kernel` (KDA kernels) |"], table
+
+
 def test_costs_are_a_fusions_bytes_and_a_matmuls_flops():
   """A run's cost: an elementwise launch reads its operands and writes its result; a cuBLAS
   call does 2 m n k FLOPs (k from its dot dimensions), [64, 16] x [16, 32] here."""
