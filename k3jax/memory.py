@@ -35,6 +35,17 @@ def hbm_bytes(device) -> int | None:
   return next((size for key, size in HBM_BYTES if key in kind), None)
 
 
+def allocator_bytes(device) -> int | None:
+  """What this process's allocator may hand out on a live `device` (JAX's "bytes_limit": on
+  GPUs the share XLA_PYTHON_CLIENT_MEM_FRACTION sets, 75% by default); None where the
+  device reports none (CPU, compile-only topologies)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # noqa: BLE001  (compile-only devices raise their runtime's error)
+    return None
+  return (stats or {}).get("bytes_limit")
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
   """Per-chip memory of a compiled train step and its FLOPs."""
@@ -52,6 +63,7 @@ class Report:
   compile_seconds: float
   slices: dict = dataclasses.field(default_factory=dict)  # mesh axis -> slices it spans (> 1)
   loaded: bool = False   # the executable came from `executables`' store, not from XLA
+  allocator_bytes: int | None = None  # `allocator_bytes` where below the capacity
 
   @property
   def total_bytes(self) -> int:
@@ -60,8 +72,15 @@ class Report:
             + self.code_bytes)
 
   @property
+  def usable_bytes(self) -> int | None:
+    """The capacity, or the allocator's share of it where that is less."""
+    if self.capacity_bytes is None:
+      return None
+    return min(self.capacity_bytes, self.allocator_bytes or self.capacity_bytes)
+
+  @property
   def fits(self) -> bool | None:
-    return None if self.capacity_bytes is None else self.total_bytes <= self.capacity_bytes
+    return None if self.capacity_bytes is None else self.total_bytes <= self.usable_bytes
 
   def lines(self, step_time: float | None = None) -> list[str]:
     g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
@@ -73,7 +92,9 @@ class Report:
            f"HBM per chip: arguments {g(self.argument_bytes)}, outputs {g(self.output_bytes)}"
            f" (aliased to arguments {g(self.alias_bytes)}), temporaries {g(self.temp_bytes)},"
            f" code {g(self.code_bytes)}",
-           f"HBM per chip: total {g(self.total_bytes)} of {cap}"]
+           f"HBM per chip: total {g(self.total_bytes)} of {cap}"
+           + (f" (this process's allocator: {g(self.allocator_bytes)})"
+              if self.allocator_bytes else "")]
     if self.flops_per_chip:
       out.append(f"compiled FLOPs per step: {self.flops_per_chip:.4g} per chip, "
                  f"{self.flops_per_chip * self.chips:.4g} in all "
@@ -138,11 +159,13 @@ def compile_report(prog: program.Program, *, executable_dir: str | None = None,
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   t = prog.cfg.train
+  capacity, limit = hbm_bytes(device), allocator_bytes(device)
   report = Report(
       device_kind=device.device_kind, chips=prog.mesh.devices.size, mesh=dict(prog.mesh.shape),
       argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
       alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
-      code_bytes=mem.generated_code_size_in_bytes, capacity_bytes=hbm_bytes(device),
+      code_bytes=mem.generated_code_size_in_bytes, capacity_bytes=capacity,
+      allocator_bytes=limit if limit and capacity and limit < capacity else None,
       flops_per_chip=(cost or {}).get("flops"), tokens_per_step=t.global_batch * t.seq_len,
       compile_seconds=seconds, loaded=loaded,
       slices={a: n for a, n in parallel.slices_along(prog.mesh).items() if n > 1})
@@ -151,6 +174,14 @@ def compile_report(prog: program.Program, *, executable_dir: str | None = None,
 
 def check_fits(report: Report) -> None:
   """MemoryError naming the need and the capacity per chip when the step does not fit."""
+  if report.fits is False and report.total_bytes <= report.capacity_bytes:
+    raise MemoryError(
+        f"the train step needs {report.total_bytes / GIB:.2f} GiB of HBM per chip, within a "
+        f"{report.device_kind}'s {report.capacity_bytes / GIB:.0f} GiB but over the "
+        f"{report.allocator_bytes / GIB:.2f} GiB this process's allocator may use: on GPUs "
+        "raise XLA_PYTHON_CLIENT_MEM_FRACTION (JAX's default 0.75; e.g. 0.95), or use more "
+        "chips, a smaller batch per chip (config.train.microbatches) or more "
+        "rematerialization (config.model.remat)")
   if report.fits is False:
     raise MemoryError(
         f"the train step needs {report.total_bytes / GIB:.2f} GiB of HBM per chip "

@@ -39,12 +39,48 @@ def test_train_step_compiles_for_a_v5p_slice():
   report, _ = memory.compile_report(prog)
   assert report.device_kind == "TPU v5" and report.chips == 4
   assert report.capacity_bytes == 95 * memory.GIB and report.fits
+  assert report.allocator_bytes is None  # compile-only devices have no allocator
   # The donated state comes back in place; the arguments hold at least this chip's state.
   assert report.alias_bytes > 0
   assert report.argument_bytes >= memory.state_bytes_per_chip(prog)
   assert report.flops_per_chip > 0
   text = "\n".join(report.lines(step_time=1.0))
   assert "HBM per chip: total" in text and "MFU" in text and text.endswith("fits")
+
+
+def test_a_step_over_the_allocators_share_is_refused_naming_it():
+  """A GPU step within the card's HBM but over what this process's allocator may use (JAX's
+  default share: 75%) does not fit, and the error says which limit and how to raise it; a
+  device that reports no limit (CPU, compile-only) leaves the capacity alone."""
+  class Device:
+    def __init__(self, stats):
+      self.stats = stats
+
+    def memory_stats(self):
+      if isinstance(self.stats, Exception):
+        raise self.stats
+      return self.stats
+  assert memory.allocator_bytes(Device({"bytes_limit": 60 * memory.GIB})) == 60 * memory.GIB
+  assert memory.allocator_bytes(Device(None)) is None
+  assert memory.allocator_bytes(Device(RuntimeError("compile-only"))) is None
+  gib = memory.GIB
+  report = memory.Report(
+      device_kind="NVIDIA H100 80GB HBM3", chips=1, mesh={}, argument_bytes=24 * gib,
+      output_bytes=0, alias_bytes=0, temp_bytes=40 * gib, code_bytes=0,
+      capacity_bytes=80 * gib, flops_per_chip=None, tokens_per_step=1, compile_seconds=1.0,
+      allocator_bytes=60 * gib)
+  assert report.usable_bytes == 60 * gib and report.fits is False
+  assert "total 64.00 GiB of 80.00 GiB (this process's allocator: 60.00 GiB)" in "\n".join(
+      report.lines())
+  with pytest.raises(MemoryError, match=r"needs 64.00 GiB .* within a NVIDIA H100 80GB HBM3's "
+                     r"80 GiB but over the 60.00 GiB .* XLA_PYTHON_CLIENT_MEM_FRACTION"):
+    memory.check_fits(report)
+  roomy = dataclasses.replace(report, allocator_bytes=None)
+  assert roomy.fits and roomy.usable_bytes == 80 * gib
+  memory.check_fits(roomy)
+  with pytest.raises(MemoryError, match=r"needs 104.00 GiB .* but a NVIDIA H100 80GB HBM3 "
+                     r"has 80 GiB"):
+    memory.check_fits(dataclasses.replace(report, temp_bytes=80 * gib))
 
 
 def test_state_bytes_per_chip_follow_the_shardings():
