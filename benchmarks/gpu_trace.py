@@ -417,7 +417,8 @@ def busy_span(kernels: list[Kernel]) -> tuple[float, float]:
 
 
 # idle gaps by length, us: launch-boundary bubbles, short host waits, long stalls
-GAP_BUCKETS = ((0.0, 10.0), (10.0, 100.0), (100.0, float("inf")))
+GAP_BUCKETS = (("under 10", 0.0, 10.0), ("10 to 100", 10.0, 100.0),
+               ("100 and more", 100.0, float("inf")))
 
 
 def idle_gaps(kernels: list[Kernel]) -> list[tuple[float, Kernel, Kernel]]:
@@ -437,10 +438,9 @@ def gap_table(kernels: list[Kernel], top: int = 10) -> list[str]:
   them (what the GPU waited after, what it waited for)."""
   gaps = idle_gaps(kernels)
   rows = ["| idle gaps, us | gaps | ms |", "|---|---|---|"]
-  for lo, hi in GAP_BUCKETS:
+  for label, lo, hi in GAP_BUCKETS:
     part = [g for g, *_ in gaps if lo <= g < hi]
-    rows.append(f"| {lo:.0f} to {hi:.0f} | {len(part)} | {sum(part) / 1e3:.1f} |"
-                .replace("to inf", "and more"))
+    rows.append(f"| {label} | {len(part)} | {sum(part) / 1e3:.1f} |")
   rows += ["", "| gap us | after | before |", "|---|---|---|"]
   rows += [f"| {g:.0f} | `{a.name[:50]}` ({kind(a.name)}) | `{b.name[:50]}` ({kind(b.name)}) |"
            for g, a, b in gaps[:top]]

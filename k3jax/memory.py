@@ -173,7 +173,8 @@ def compile_report(prog: program.Program, *, executable_dir: str | None = None,
 
 
 def check_fits(report: Report) -> None:
-  """MemoryError naming the need and the capacity per chip when the step does not fit."""
+  """MemoryError naming the need and the capacity per chip (or the allocator's smaller
+  share of it, and how to raise that) when the step does not fit."""
   if report.fits is False and report.total_bytes <= report.capacity_bytes:
     raise MemoryError(
         f"the train step needs {report.total_bytes / GIB:.2f} GiB of HBM per chip, within a "

@@ -156,7 +156,7 @@ def test_idle_time_is_told_by_gap_length_with_the_kernels_around_the_longest():
   busy, span = gpu_trace.busy_span(kernels)
   assert sum(g for g, *_ in gaps) == span - busy
   table = gpu_trace.gap_table(kernels, top=2)
-  assert table[2:5] == ["| 0 to 10 | 2 | 0.0 |", "| 10 to 100 | 1 | 0.0 |",
+  assert table[2:5] == ["| under 10 | 2 | 0.0 |", "| 10 to 100 | 1 | 0.0 |",
                         "| 100 and more | 1 | 0.2 |"], table
   assert table[-2:] == [
       "| 155 | `mosaic_gpu_gmm` (grouped matmuls (Mosaic GPU)) | `fusion_3` (other XLA kernels) |",
