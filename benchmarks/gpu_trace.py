@@ -406,16 +406,6 @@ def rates(kernels: list[Kernel], hlo: Hlo, costs: dict,
           f"{tflop:.1f} TFLOP, {tflop / max(us[1], 1e-9) * 1e6:.0f} TFLOP/s")
 
 
-def busy_span(kernels: list[Kernel]) -> tuple[float, float]:
-  """(us some kernel ran: the union of their intervals, streams may overlap; us from the
-  first kernel's start to the last one's end)."""
-  busy, end = 0.0, float("-inf")
-  for k in sorted(kernels, key=lambda k: k.start):
-    busy += max(0.0, k.start + k.dur - max(k.start, end))
-    end = max(end, k.start + k.dur)
-  return busy, end - min(k.start for k in kernels)
-
-
 # idle gaps by length, us: launch-boundary bubbles, short host waits, long stalls
 GAP_BUCKETS = (("under 10", 0.0, 10.0), ("10 to 100", 10.0, 100.0),
                ("100 and more", 100.0, float("inf")))
@@ -445,6 +435,13 @@ def gap_table(kernels: list[Kernel], top: int = 10) -> list[str]:
   rows += [f"| {g:.0f} | `{a.name[:50]}` ({kind(a.name)}) | `{b.name[:50]}` ({kind(b.name)}) |"
            for g, a, b in gaps[:top]]
   return rows
+
+
+def busy_span(kernels: list[Kernel]) -> tuple[float, float]:
+  """(us some kernel ran: the union of their intervals, streams may overlap; us from the
+  first kernel's start to the last one's end)."""
+  span = max(k.start + k.dur for k in kernels) - min(k.start for k in kernels)
+  return span - sum(g for g, *_ in idle_gaps(kernels)), span
 
 
 def kind(name: str) -> str:

@@ -74,9 +74,7 @@ class Report:
   @property
   def usable_bytes(self) -> int | None:
     """The capacity, or the allocator's share of it where that is less."""
-    if self.capacity_bytes is None:
-      return None
-    return min(self.capacity_bytes, self.allocator_bytes or self.capacity_bytes)
+    return self.allocator_bytes or self.capacity_bytes
 
   @property
   def fits(self) -> bool | None:
