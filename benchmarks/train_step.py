@@ -39,7 +39,7 @@ import optax
 from absl import app, flags
 from harness import header
 
-from k3jax import cli, optim, parallel, program
+from k3jax import cli, memory, optim, parallel, program
 from k3jax import data as k3data
 from k3jax import config as k3config
 from k3jax import flops
@@ -269,6 +269,7 @@ def main(argv):
   for spec in _COMPILE_WITH.value:  # a malformed set fails now, not after the compile
     k3config.xla_options(spec, "any")
   t = cfg.train
+  memory.claim_gpu_share(t.gpu_memory_fraction)  # before `header` starts JAX
   print(header(f"{cfg.model.num_layers} layers, d {cfg.model.d_model}",
                f"batch {t.global_batch} x {t.seq_len}"), flush=True)
 

@@ -15,8 +15,8 @@ documents; `pallas_kernels.attention.flash_cuda`), no [T, T] scores.
 
 "32k", "128k": long sequences (2 x 32,768 tokens a step as two microbatches; 1 x 131,072):
 each scanned layer its own remat region, the LM head and loss 4,096 positions at a time;
-at 128k the experts take 16,384 tokens at a time (`moe.token_chunk`), and the step needs
-more than JAX's default 75% of an H200: run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95.
+at 128k the experts take 16,384 tokens at a time (`moe.token_chunk`), and the step takes
+95% of an H200 (`train.gpu_memory_fraction`; JAX's default share is 75%).
 "1m": 1 x 1,048,576 over the 8 GPUs of a host (`mesh.context` 8: each holds 128k's share
 of positions; MLA exchanges heads for positions). `--config.mesh.context=N` splits any
 variant's sequences over N GPUs. Tokens/s and fit: benchmarks/results/context_parallel.md.
@@ -30,7 +30,8 @@ _LONG = {"model.remat_scope": "layer",
 _LONG_VARIANTS = {
     "32k": {**_LONG, "train.seq_len": 32_768, "train.global_batch": 2, "train.microbatches": 2},
     "128k": {**_LONG, "train.seq_len": 131_072, "train.global_batch": 1,
-             "train.microbatches": 1, "model.moe.token_chunk": 16_384},
+             "train.microbatches": 1, "model.moe.token_chunk": 16_384,
+             "train.gpu_memory_fraction": 0.95},
 }
 # 1M: one sequence a step over the 8 GPUs of a host, 131,072 positions each (128k's share)
 _LONG_VARIANTS["1m"] = {**_LONG_VARIANTS["128k"], "train.seq_len": 1_048_576,

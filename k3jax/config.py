@@ -55,6 +55,9 @@ def train_config() -> ml_collections.ConfigDict:
   t.xla_options = ""
   # True: XLA's deterministic GPU ops and kernels (MLA on Triton, not cuDNN): bit-exact repeats
   t.deterministic = False
+  # Share of each GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION, set
+  # before JAX starts); 0: the environment's, else JAX's default 0.75
+  t.gpu_memory_fraction = 0.0
   t.steps = 100_000
   t.log_every = 10
   t.eval_every = 1_000

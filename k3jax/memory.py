@@ -2,18 +2,22 @@
 step's needs.
 
 `check_state_fits` (shardings alone, no compile), then `compile_report` / `check_fits`
-(XLA's memory analysis); `preflight` runs both for `k3jax.train` and `k3jax.aot`."""
+(XLA's memory analysis); `preflight` runs both for `k3jax.train` and `k3jax.aot`.
+`claim_gpu_share` sets the allocator's share of a GPU before JAX starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import time
 from typing import Any
 
 import jax
 
 from k3jax import executables, flops, parallel, program
+from k3jax.config_error import ConfigError, check
 
 GIB = 2 ** 30
 # HBM per JAX device, matched in order against device_kind (lowercase); an Ironwood chip
@@ -37,13 +41,39 @@ def hbm_bytes(device) -> int | None:
 
 def allocator_bytes(device) -> int | None:
   """What this process's allocator may hand out on a live `device` (JAX's "bytes_limit": on
-  GPUs the share XLA_PYTHON_CLIENT_MEM_FRACTION sets, 75% by default); None where the
+  GPUs the share `claim_gpu_share` sets, 75% by default); None where the
   device reports none (CPU, compile-only topologies)."""
   try:
     stats = device.memory_stats()
   except Exception:  # noqa: BLE001  (compile-only devices raise their runtime's error)
     return None
   return (stats or {}).get("bytes_limit")
+
+
+SHARE_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def claim_gpu_share(fraction: float) -> None:
+  """Has JAX's GPU allocator take `fraction` of each GPU's memory (train.gpu_memory_fraction;
+  0: leave the environment's or JAX's default). It reads SHARE_VARIABLE once, when its
+  backends start: ConfigError if they have started with another share."""
+  if not fraction:
+    return
+  check(0 < fraction <= 1, "train.gpu_memory_fraction",
+        f"{fraction} must be in (0, 1], or 0 for JAX's default")
+  value, current = f"{fraction:g}", os.environ.get(SHARE_VARIABLE)
+  if current in (value, str(fraction)):
+    return
+  from jax._src import xla_bridge  # noqa: PLC0415  (no public "have backends started")
+  if xla_bridge.backends_are_initialized():
+    raise ConfigError(
+        f"config.train.gpu_memory_fraction={value}: JAX's backends have already started "
+        f"with {SHARE_VARIABLE}={current or 'unset (0.75)'}; set it before anything touches a "
+        "device")
+  if current is not None:
+    print(f"config: train.gpu_memory_fraction={value} replaces {SHARE_VARIABLE}={current}",
+          file=sys.stderr, flush=True)
+  os.environ[SHARE_VARIABLE] = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +208,8 @@ def check_fits(report: Report) -> None:
         f"the train step needs {report.total_bytes / GIB:.2f} GiB of HBM per chip, within a "
         f"{report.device_kind}'s {report.capacity_bytes / GIB:.0f} GiB but over the "
         f"{report.allocator_bytes / GIB:.2f} GiB this process's allocator may use: on GPUs "
-        "raise XLA_PYTHON_CLIENT_MEM_FRACTION (JAX's default 0.75; e.g. 0.95), or use more "
+        f"raise config.train.gpu_memory_fraction (or {SHARE_VARIABLE}; JAX's default 0.75; "
+        "e.g. 0.95), or use more "
         "chips, a smaller batch per chip (config.train.microbatches) or more "
         "rematerialization (config.model.remat)")
   if report.fits is False:

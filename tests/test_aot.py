@@ -73,7 +73,8 @@ def test_a_step_over_the_allocators_share_is_refused_naming_it():
   assert "total 64.00 GiB of 80.00 GiB (this process's allocator: 60.00 GiB)" in "\n".join(
       report.lines())
   with pytest.raises(MemoryError, match=r"needs 64.00 GiB .* within a NVIDIA H100 80GB HBM3's "
-                     r"80 GiB but over the 60.00 GiB .* XLA_PYTHON_CLIENT_MEM_FRACTION"):
+                     r"80 GiB but over the 60.00 GiB .* config.train.gpu_memory_fraction \(or "
+                     r"XLA_PYTHON_CLIENT_MEM_FRACTION"):
     memory.check_fits(report)
   roomy = dataclasses.replace(report, allocator_bytes=None)
   assert roomy.fits and roomy.usable_bytes == 80 * gib
@@ -81,6 +82,30 @@ def test_a_step_over_the_allocators_share_is_refused_naming_it():
   with pytest.raises(MemoryError, match=r"needs 104.00 GiB .* but a NVIDIA H100 80GB HBM3 "
                      r"has 80 GiB"):
     memory.check_fits(dataclasses.replace(report, temp_bytes=80 * gib))
+
+
+def test_the_configs_gpu_share_is_set_before_jax_starts_and_refused_after():
+  """train.gpu_memory_fraction becomes the allocator's share when set before JAX starts its
+  backends (replacing the environment's, said on stderr); once they have started, another
+  share is refused, naming both; the share it already has passes."""
+  var = memory.SHARE_VARIABLE
+  code = ("import os, jax; from k3jax import memory; memory.claim_gpu_share(0.9); "
+          "jax.devices(); print(os.environ[memory.SHARE_VARIABLE])")
+  r = subprocess.run([sys.executable, "-c", code], env={**os.environ, var: "0.5"},
+                     capture_output=True, text=True, check=True)
+  assert r.stdout == "0.9\n"
+  assert f"train.gpu_memory_fraction=0.9 replaces {var}=0.5" in r.stderr
+  jax.devices()  # this process's backends have started
+  current = os.environ.get(var)
+  with pytest.raises(k3config.ConfigError, match=rf"gpu_memory_fraction=0.93: JAX's backends "
+                     rf"have already started with {var}="):
+    memory.claim_gpu_share(0.93)
+  if current is not None:
+    memory.claim_gpu_share(float(current))
+  memory.claim_gpu_share(0.0)  # 0: the environment's share stays
+  assert os.environ.get(var) == current
+  with pytest.raises(k3config.ConfigError, match=r"1.5 must be in \(0, 1\]"):
+    memory.claim_gpu_share(1.5)
 
 
 def test_state_bytes_per_chip_follow_the_shardings():

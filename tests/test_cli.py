@@ -41,9 +41,14 @@ def test_config_errors_are_one_line(tmp_path):
       "train typo": ["-m", "k3jax.train", TINY, TYPO, work],
       "params typo": ["-m", "k3jax.params", TINY, TYPO],
       "train invalid": ["-m", "k3jax.train", TINY, "--config.train.seq_len=1", work],
+      "train share": ["-m", "k3jax.train", TINY, "--config.train.gpu_memory_fraction=1.5",
+                      work],
   })
+  wants = {"train invalid": "config.train.seq_len: must be >= 2, got 1",
+           "train share": "config.train.gpu_memory_fraction: 1.5 must be in (0, 1], or 0 for "
+                          "JAX's default"}
   for k, r in rs.items():
-    want = TYPO_LINE if "typo" in k else "config error: config.train.seq_len: must be >= 2, got 1"
+    want = TYPO_LINE if "typo" in k else f"config error: {wants[k]}"
     assert r.returncode == cli.EXIT_CONFIG_ERROR and r.stderr == want + "\n", (k, r.stderr)
   assert not os.listdir(tmp_path)
 
