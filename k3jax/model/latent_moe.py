@@ -151,8 +151,8 @@ class LatentMoE(nnx.Module):
     if self.balancing == "quantile":
       update_bias(self, moe_aux["counts"])
     elif self.balancing == "aux_free":
-      self.bias[...] = balancing.sign_step(self.bias[...], moe_aux["load"],
-                                           self.bias_update_speed)
+      self.bias.set_value(balancing.sign_step(self.bias[...], moe_aux["load"],
+                                              self.bias_update_speed))
 
   @jax.named_scope("dispatch")
   def _dispatch(self, dispatch, platform, z, idx, w, experts_w, act, flat_valid):
@@ -202,4 +202,6 @@ def update_bias(target: LatentMoE | qb.BalanceBias, counts: jax.Array, k: int | 
     new = jax.vmap(qb.solve_bias, in_axes=(0, 0, None))(counts, bias, k)
   else:
     raise ValueError(f"update_bias: counts {counts.shape} do not match bias {bias.shape}")
-  var[...] = new
+  # set_value, not var[...] = : flax's [...] compares shardings, which on a tracer builds an
+  # error message by walking the whole trace so far (seconds of a train step's trace)
+  var.set_value(new)

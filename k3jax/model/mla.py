@@ -170,9 +170,10 @@ class MLA(nnx.Module):
     gamma = jnp.where(logit_max > tau, tau / logit_max, 1.0)[..., None, :, None]  # [*L,1,H,1]
     root = jnp.sqrt(gamma)
     wq = self.wq_b.kernel[...]  # [*L, q_lora, H, nope + rope]
-    self.wq_b.kernel[...] = jnp.concatenate(
-        [wq[..., :self.nope] * root, wq[..., self.nope:] * gamma], axis=-1).astype(wq.dtype)
+    # set_value: see latent_moe.update_bias
+    self.wq_b.kernel.set_value(jnp.concatenate(
+        [wq[..., :self.nope] * root, wq[..., self.nope:] * gamma], axis=-1).astype(wq.dtype))
     wkv = self.wkv_b.kernel[...]                                          # [*L, kv_lora, H, nope+v]
-    self.wkv_b.kernel[...] = jnp.concatenate(
-        [wkv[..., :self.nope] * root, wkv[..., self.nope:]], axis=-1).astype(wkv.dtype)
+    self.wkv_b.kernel.set_value(jnp.concatenate(
+        [wkv[..., :self.nope] * root, wkv[..., self.nope:]], axis=-1).astype(wkv.dtype))
     return jnp.sum(logit_max > tau)
