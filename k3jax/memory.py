@@ -209,9 +209,8 @@ def check_fits(report: Report) -> None:
         f"{report.device_kind}'s {report.capacity_bytes / GIB:.0f} GiB but over the "
         f"{report.allocator_bytes / GIB:.2f} GiB this process's allocator may use: on GPUs "
         f"raise config.train.gpu_memory_fraction (or {SHARE_VARIABLE}; JAX's default 0.75; "
-        "e.g. 0.95), or use more "
-        "chips, a smaller batch per chip (config.train.microbatches) or more "
-        "rematerialization (config.model.remat)")
+        "e.g. 0.95), or use more chips, a smaller batch per chip (config.train.microbatches) "
+        "or more rematerialization (config.model.remat)")
   if report.fits is False:
     raise MemoryError(
         f"the train step needs {report.total_bytes / GIB:.2f} GiB of HBM per chip "

@@ -84,11 +84,12 @@ def test_a_step_over_the_allocators_share_is_refused_naming_it():
     memory.check_fits(dataclasses.replace(report, temp_bytes=80 * gib))
 
 
-def test_the_configs_gpu_share_is_set_before_jax_starts_and_refused_after():
+def test_the_configs_gpu_share_is_set_before_jax_starts_and_refused_after(monkeypatch):
   """train.gpu_memory_fraction becomes the allocator's share when set before JAX starts its
   backends (replacing the environment's, said on stderr); once they have started, another
   share is refused, naming both; the share it already has passes."""
   var = memory.SHARE_VARIABLE
+  monkeypatch.setenv(var, "0.8")
   code = ("import os, jax; from k3jax import memory; memory.claim_gpu_share(0.9); "
           "jax.devices(); print(os.environ[memory.SHARE_VARIABLE])")
   r = subprocess.run([sys.executable, "-c", code], env={**os.environ, var: "0.5"},
@@ -96,14 +97,12 @@ def test_the_configs_gpu_share_is_set_before_jax_starts_and_refused_after():
   assert r.stdout == "0.9\n"
   assert f"train.gpu_memory_fraction=0.9 replaces {var}=0.5" in r.stderr
   jax.devices()  # this process's backends have started
-  current = os.environ.get(var)
   with pytest.raises(k3config.ConfigError, match=rf"gpu_memory_fraction=0.93: JAX's backends "
-                     rf"have already started with {var}="):
+                     rf"have already started with {var}=0.8"):
     memory.claim_gpu_share(0.93)
-  if current is not None:
-    memory.claim_gpu_share(float(current))
+  memory.claim_gpu_share(0.8)
   memory.claim_gpu_share(0.0)  # 0: the environment's share stays
-  assert os.environ.get(var) == current
+  assert os.environ[var] == "0.8"
   with pytest.raises(k3config.ConfigError, match=r"1.5 must be in \(0, 1\]"):
     memory.claim_gpu_share(1.5)
 
