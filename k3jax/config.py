@@ -168,6 +168,8 @@ def _validate_train(c: ml_collections.ConfigDict) -> None:
   if -1 not in seq_ways:
     check_context(c, math.prod(seq_ways))
   xla_options(t.xla_options, "any")
+  check(0 <= t.gpu_memory_fraction <= 1, "train.gpu_memory_fraction",
+        f"{t.gpu_memory_fraction} must be in (0, 1], or 0 for JAX's default")
   check(t.checkpoint_every >= 1, "train.checkpoint_every",
         f"must be >= 1, got {t.checkpoint_every}")
   check(t.keep_checkpoint_every >= 0 and t.keep_checkpoint_every % t.checkpoint_every == 0,

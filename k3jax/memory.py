@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from k3jax import executables, flops, parallel, program
-from k3jax.config_error import ConfigError, check
+from k3jax.config_error import ConfigError
 
 GIB = 2 ** 30
 # HBM per JAX device, matched in order against device_kind (lowercase); an Ironwood chip
@@ -54,15 +54,13 @@ SHARE_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
 
 def claim_gpu_share(fraction: float) -> None:
-  """Has JAX's GPU allocator take `fraction` of each GPU's memory (train.gpu_memory_fraction;
-  0: leave the environment's or JAX's default). It reads SHARE_VARIABLE once, when its
-  backends start: ConfigError if they have started with another share."""
+  """Has JAX's GPU allocator take `fraction` (validated train.gpu_memory_fraction) of each
+  GPU's memory; 0 leaves the environment's or JAX's default. JAX reads SHARE_VARIABLE once,
+  when its backends start: ConfigError if they have started with another share."""
   if not fraction:
     return
-  check(0 < fraction <= 1, "train.gpu_memory_fraction",
-        f"{fraction} must be in (0, 1], or 0 for JAX's default")
   value, current = f"{fraction:g}", os.environ.get(SHARE_VARIABLE)
-  if current in (value, str(fraction)):
+  if current == value:
     return
   from jax._src import xla_bridge  # noqa: PLC0415  (no public "have backends started")
   if xla_bridge.backends_are_initialized():

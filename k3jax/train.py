@@ -458,7 +458,8 @@ def evaluate(cfg, eval_step, params, rest, shardings) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  memory.claim_gpu_share(cli.CONFIG.value.train.gpu_memory_fraction)  # before JAX starts
+  # before the multi-process runtime, whose start touches JAX's backends
+  memory.claim_gpu_share(k3config.validate(cli.CONFIG.value).train.gpu_memory_fraction)
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                          _LOCAL_DEVICES.value)
   try:

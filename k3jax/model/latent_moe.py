@@ -203,5 +203,5 @@ def update_bias(target: LatentMoE | qb.BalanceBias, counts: jax.Array, k: int | 
   else:
     raise ValueError(f"update_bias: counts {counts.shape} do not match bias {bias.shape}")
   # set_value, not var[...] = : flax's [...] compares shardings, which on a tracer builds an
-  # error message by walking the whole trace so far (seconds of a train step's trace)
+  # error message by walking the whole trace so far (benchmarks/results/compile_time.md)
   var.set_value(new)
