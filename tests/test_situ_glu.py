@@ -122,3 +122,24 @@ def test_glu_mlp_axes_and_dtypes():
   assert mlp(jnp.ones((2, 8))).dtype == jnp.bfloat16
   with pytest.raises(ValueError):
     GLUMLP(8, 16, activation="relu", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("save,kept", [
+    ("glu_proj", ["bf16[2,3,16] named 'glu_proj'"] * 2),
+    ("glu_proj,glu_out", ["bf16[2,3,16] named 'glu_proj'"] * 2
+     + ["bf16[2,3,16] named 'glu_out'"])])
+def test_remat_keeps_the_named_glu_values(save, kept, capsys):
+  """Under a remat region that saves nothing else, `glu_proj` keeps x W_g and x W_u and
+  `glu_out` the activation h (W_d's input), so the backward does not form h again."""
+  from k3jax.model import remat  # noqa: PLC0415
+  mlp = GLUMLP(8, 16, activation="situ_glu", rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  graphdef, state = nnx.split(mlp)
+
+  def loss(state, x):
+    y = remat.wrap(lambda s, x: nnx.merge(graphdef, s)(x), "full", save)(state, x)
+    return jnp.sum(y.astype(jnp.float32))
+
+  jax.ad_checkpoint.print_saved_residuals(loss, state, jnp.ones((2, 3, 8), jnp.bfloat16))
+  named = sorted(line.split(" from ")[0] for line in capsys.readouterr().out.splitlines()
+                 if " named " in line)
+  assert named == sorted(kept)

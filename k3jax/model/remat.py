@@ -53,6 +53,8 @@ SAVEABLE = {
                    "sorted rows [N*k, latent], the routed experts' x W_g and x W_u [N*k, "
                    "hidden] and their outputs [N*k, latent]",
     "glu_proj": "the gated MLPs' x W_g and x W_u (shared experts, dense FFN) [B, T, hidden]",
+    "glu_out": "the gated MLPs' activation h, W_d's input (shared experts, dense FFN) "
+               "[B, T, hidden]",
     "layer_out": "each layer's mixer and FFN outputs [B, T, d], what the residual stream "
                  "or AttnRes adds",
 }

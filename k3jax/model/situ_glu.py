@@ -59,4 +59,4 @@ class GLUMLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     act = glu_activation(self.activation, self.b1, self.b2, self.recompute)
     h = act(keep("glu_proj", self.w_g(x)), keep("glu_proj", self.w_u(x)))  # [..., hidden]
-    return self.w_d(h.astype(self.dtype))
+    return self.w_d(keep("glu_out", h.astype(self.dtype)))
