@@ -41,7 +41,7 @@ VARIANTS = (None, "", "multimodal", *_LONG_VARIANTS)
 # (`model.remat_save`): a faster step for more memory (benchmarks/results/train_step.md).
 # The other variants' memory was fitted with scanned cycles under full remat.
 _TEXT_STEP = {"model.scan_layers": False, "model.remat": "kernels",
-              "model.remat_save": "kda_proj,kda_inputs,glu_proj,moe_latent,mla_proj,"
+              "model.remat_save": "kda_proj,kda_inputs,glu_proj,glu_out,moe_latent,mla_proj,"
                                   "moe_experts,layer_out"}
 
 
