@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.model import remat
 from k3jax.model.situ_glu import GLUMLP, glu_activation, situ_glu, swiglu
 
 B1, B2 = 4.0, 25.0
@@ -131,7 +132,6 @@ def test_glu_mlp_axes_and_dtypes():
 def test_remat_keeps_the_named_glu_values(save, kept, capsys):
   """Under a remat region that saves nothing else, `glu_proj` keeps x W_g and x W_u and
   `glu_out` the activation h (W_d's input), so the backward does not form h again."""
-  from k3jax.model import remat  # noqa: PLC0415
   mlp = GLUMLP(8, 16, activation="situ_glu", rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
   graphdef, state = nnx.split(mlp)
 
