@@ -47,8 +47,7 @@ def newton_schulz(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, backend="auto",
   "interpret": the TPU kernel interpreted; "symmetric": on CUDA `newton_schulz_symmetric`
   for bf16 blocks whose short side is a multiple of 256 ("reference" on other platforms),
   other blocks as "auto"; "auto": the kernel where `uses_gram_kernel`, else "reference",
-  chosen at lowering. gpu_iterate: a
-  GPU_ITERATE name."""
+  chosen at lowering. gpu_iterate: a GPU_ITERATE name."""
   check_backend("Newton-Schulz", backend, BACKENDS, RENAMED)
   if gpu_iterate not in GPU_ITERATE:
     raise ValueError(f"unknown gpu_iterate {gpu_iterate!r}; choose one of {tuple(GPU_ITERATE)}")

@@ -25,6 +25,7 @@ _HALF = 64  # the mirror's rows per wgmma (the identity is [_HALF, _HALF])
 
 @dataclasses.dataclass(frozen=True)
 class SymmetricBlocks:
+  """The contraction's steps and the pipeline's depth."""
   block_k: int = 64
   max_concurrent_steps: int = 3  # shared memory: 3 x 48 KiB of operands + 80 KiB of tiles
 
