@@ -8,7 +8,6 @@ runs the standard form on it, P X by XLA."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.grouped_matmul.kernel import interpreted, persistent_kernel
+from pallas_kernels.grouped_matmul.kernel import persistent_kernel
 from pallas_kernels.newton_schulz.reference import COEFFS, EPS, STEPS, short_wide
 
 TILE = 128  # rows and columns of a warpgroup's tile; a CTA covers [TILE, 2 TILE]
@@ -53,7 +52,7 @@ def symmetric_product_reference(x, y=None, *, alpha=1.0, beta=0.0, gamma=0.0):
 
 
 def symmetric_product(x, y=None, *, alpha=1.0, beta=0.0, gamma=0.0,
-                      blocks=SymmetricBlocks(), interpret=False, num_sms=None):
+                      blocks=SymmetricBlocks(), num_sms=None):
   """As `symmetric_product_reference`, one persistent warp-specialized kernel."""
   nb, m, k = x.shape
   if m % (2 * TILE) or k % blocks.block_k or x.dtype != jnp.bfloat16:
@@ -66,9 +65,7 @@ def symmetric_product(x, y=None, *, alpha=1.0, beta=0.0, gamma=0.0,
                            scale=(alpha, beta, gamma))
   run = persistent_kernel(body, jax.ShapeDtypeStruct((nb, m, m), x.dtype), num_sms,
                           warpgroups=3)
-  args = (jnp.asarray(upper_tiles(m)), x) + (() if y is None else (y,))
-  with interpreted() if interpret else contextlib.nullcontext():
-    return run(*args)
+  return run(jnp.asarray(upper_tiles(m)), x, *(() if y is None else (y,)))
 
 
 def _body(tiles_ref, x_ref, *refs, nb, m, k, with_y, blocks, scale):
