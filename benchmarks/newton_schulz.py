@@ -9,9 +9,9 @@ float32 reference (`newton_schulz_reference`) on the same bf16 input.
 Paths, by `newton_schulz` backend: "auto" (what it picks), "reference" (the standard form in
 bf16, as optax runs it; each matmul accumulates in float32), "gram_reference" (the Gram form
 in plain XLA); "optax" (`optax.contrib`'s `orthogonalize_via_newton_schulz`, the head axis a
-batch axis) and, with --variants, tuning variants of the GPU kernel. For short-wide blocks
-"auto" is our Gram kernel; for bf16 blocks whose short side is a multiple of 256 the
-symmetric products on Mosaic GPU (`symmetric.py`); for the others "reference".
+batch axis), "symmetric" (the standard form's symmetric products on Mosaic GPU, for blocks
+whose short side is a multiple of 256) and, with --variants, tuning variants of the GPU
+kernel. For short-wide blocks "auto" is our kernel; for the others it is "reference".
 
 Run on the H200 (--check first compares the forced kernel with the reference on odd shapes,
 float32 and bf16; --variants adds kernel tuning variants for the per-head shape):
@@ -31,7 +31,7 @@ import numpy as np
 
 from harness import write_table
 from pallas_kernels.newton_schulz import (COEFFS, newton_schulz, newton_schulz_gpu,
-                                          newton_schulz_reference, uses_gram_kernel)
+                                          newton_schulz_reference, symmetric, uses_gram_kernel)
 
 SHAPES = ((96, 128, 7168), (256, 1024, 768), (64, 1536, 2048), (1, 4096, 16384))
 L2_BYTES = 50 * 2**20
@@ -52,6 +52,8 @@ def paths(shape, variants):
       "auto": functools.partial(newton_schulz, backend="auto"),
       "optax": optax_ns,
   }
+  if symmetric.fits(shape, jnp.bfloat16):
+    out["symmetric"] = functools.partial(newton_schulz, backend="symmetric")
   if min(shape[1:]) <= 128:  # (for the others the Gram form in XLA is the slower one)
     out["gram_reference"] = functools.partial(newton_schulz, backend="gram_reference")
     if variants:

@@ -1,7 +1,7 @@
 """Newton-Schulz orthogonalization for Muon (K3_SPEC 5): `newton_schulz` dispatches to a
 backend: "reference" (`reference.py`, the standard form), "gram_reference" (`gram.py`, the
-Gram form in plain JAX), "kernel" (`kernel.py`, Pallas); "auto" also picks `symmetric.py`
-(the standard form's symmetric products on Mosaic GPU)."""
+Gram form in plain JAX), "kernel" (`kernel.py`, Pallas), "symmetric" (`symmetric.py`, the
+standard form's symmetric products on Mosaic GPU)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ __all__ = ["BACKENDS", "COEFFS", "GPU_ITERATE", "RENAMED", "gram_matrix_polynomi
            "newton_schulz_reference", "newton_schulz_symmetric", "newton_schulz_tpu",
            "newton_schulz_xla", "tpu_block_bytes", "uses_gram_kernel"]
 
-BACKENDS = ("reference", "gram_reference", "kernel", "interpret", "auto")
+BACKENDS = ("reference", "gram_reference", "kernel", "interpret", "symmetric", "auto")
 RENAMED = {"xla": "reference", "gram_xla": "gram_reference", "pallas": "kernel"}  # old: new
 GRAM_MAX_ROWS = 128
 GRAM_MIN_ASPECT = 4
@@ -44,10 +44,10 @@ def newton_schulz(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, backend="auto",
   """Orthogonalizes each trailing [m, n] block of x (as `reference.py`), in x's dtype.
   backend "kernel": the lowering platform's kernel (the TPU one interpreted elsewhere),
   "gram_reference" for blocks it cannot take (every platform's branch is traced);
-  "interpret": the TPU kernel interpreted; "auto": the kernel where `uses_gram_kernel`; on
-  CUDA `newton_schulz_symmetric` for bf16 blocks whose short side is a multiple of 256
-  (`symmetric.fits`); else "reference", chosen at lowering. gpu_iterate: a GPU_ITERATE
-  name."""
+  "interpret": the TPU kernel interpreted; "symmetric": on CUDA `newton_schulz_symmetric`
+  for bf16 blocks whose short side is a multiple of 256 ("reference" on other platforms),
+  other blocks as "auto"; "auto": the kernel where `uses_gram_kernel`, else "reference",
+  chosen at lowering. gpu_iterate: a GPU_ITERATE name."""
   check_backend("Newton-Schulz", backend, BACKENDS, RENAMED)
   if gpu_iterate not in GPU_ITERATE:
     raise ValueError(f"unknown gpu_iterate {gpu_iterate!r}; choose one of {tuple(GPU_ITERATE)}")
@@ -60,6 +60,9 @@ def newton_schulz(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, backend="auto",
   gram = functools.partial(newton_schulz_gram_xla, **kw)
   if backend == "gram_reference":
     return gram(x)
+  if backend == "symmetric" and symmetric.fits(x.shape, x.dtype):
+    sym = functools.partial(newton_schulz_symmetric, **kw)
+    return jax.lax.platform_dependent(x, cuda=sym, default=reference)
   tpu = functools.partial(newton_schulz_tpu, **kw)
   if backend == "interpret":
     return tpu(x, interpret=True)
@@ -70,9 +73,6 @@ def newton_schulz(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, backend="auto",
   gpu = gpu if min(x.shape[-2:]) <= GPU_MAX_ROWS else gram
   if backend == "kernel":
     return jax.lax.platform_dependent(x, tpu=tpu, cuda=gpu, default=interpreted)
-  if symmetric.fits(x.shape, x.dtype):
-    sym = functools.partial(newton_schulz_symmetric, **kw)
-    return jax.lax.platform_dependent(x, cuda=sym, default=reference)
   if not uses_gram_kernel(x.shape, x.dtype):
     return reference(x)
   return jax.lax.platform_dependent(x, tpu=tpu, cuda=gpu, default=reference)

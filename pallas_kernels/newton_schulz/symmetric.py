@@ -17,6 +17,7 @@ import numpy as np
 
 from pallas_kernels.grouped_matmul.kernel import persistent_kernel
 from pallas_kernels.newton_schulz.reference import COEFFS, EPS, STEPS, short_wide
+from pallas_kernels.platform import lowered_once
 
 TILE = 128  # rows and columns of a warpgroup's tile; a CTA covers [TILE, 2 TILE]
 _HALF = 64  # the mirror's rows per wgmma (the identity is [_HALF, _HALF])
@@ -51,6 +52,7 @@ def symmetric_product_reference(x, y=None, *, alpha=1.0, beta=0.0, gamma=0.0):
   return (out + gamma * jnp.eye(x.shape[1], dtype=jnp.float32)).astype(x.dtype)
 
 
+@lowered_once(static_argnames=("alpha", "beta", "gamma", "blocks", "num_sms"))
 def symmetric_product(x, y=None, *, alpha=1.0, beta=0.0, gamma=0.0,
                       blocks=SymmetricBlocks(), num_sms=None):
   """As `symmetric_product_reference`, one persistent warp-specialized kernel."""
