@@ -20,10 +20,11 @@ def short_wide(x):
   return x, False
 
 
-def _standard_form(x, *, steps, coeffs, eps, dtype, precision):
+def standard_form(x, *, steps, coeffs, eps, dtype, precision=None, polynomial=None):
+  """X = x / (||x||_F + eps) short-wide in dtype, `steps` times X <- P X, out in x's dtype.
+  polynomial(X, coeffs) -> P = a I + b A + c A A for A = X X^T; default: XLA's matmuls."""
   if x.ndim < 2:
     raise ValueError(f"newton_schulz needs [..., m, n] blocks, got shape {x.shape}")
-  a, b, c = coeffs
   out_dtype = x.dtype
   x, transposed = short_wide(x)
   x = x.astype(jnp.float32)
@@ -33,13 +34,16 @@ def _standard_form(x, *, steps, coeffs, eps, dtype, precision):
   def mm(u, v):
     return jnp.matmul(u, v, precision=precision, preferred_element_type=dtype)
 
+  def xla_polynomial(x, coeffs):
+    a, b, c = coeffs
+    gram = mm(x, jnp.swapaxes(x, -1, -2))
+    return c * mm(gram, gram) + (b * gram + a * jnp.eye(x.shape[-2], dtype=dtype))
+
   # a X + (b A + c A A) X as (a I + b A + c A A) X: one pass over the [m, m] polynomial, none
   # over X between the matmuls
-  eye = jnp.eye(x.shape[-2], dtype=dtype)
+  polynomial = polynomial or xla_polynomial
   for _ in range(steps):
-    gram = mm(x, jnp.swapaxes(x, -1, -2))
-    poly = c * mm(gram, gram) + (b * gram + a * eye)
-    x = mm(poly, x)
+    x = mm(polynomial(x, coeffs), x)
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
   return x.astype(out_dtype)
@@ -47,7 +51,7 @@ def _standard_form(x, *, steps, coeffs, eps, dtype, precision):
 
 def newton_schulz_reference(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS):
   """The standard form in fp32 at HIGHEST: the test oracle (optax's on a 2-D block)."""
-  return _standard_form(x, steps=steps, coeffs=coeffs, eps=eps, dtype=jnp.float32,
+  return standard_form(x, steps=steps, coeffs=coeffs, eps=eps, dtype=jnp.float32,
                         precision=_HI)
 
 
@@ -55,5 +59,5 @@ def newton_schulz_xla(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS):
   """The standard form in x's dtype, as optax runs it: bf16 stays bf16 between matmuls; fp32
   x gives `newton_schulz_reference` exactly."""
   dtype = x.dtype if x.dtype == jnp.bfloat16 else jnp.float32
-  return _standard_form(x, steps=steps, coeffs=coeffs, eps=eps, dtype=dtype,
+  return standard_form(x, steps=steps, coeffs=coeffs, eps=eps, dtype=dtype,
                         precision=_HI if dtype == jnp.float32 else None)

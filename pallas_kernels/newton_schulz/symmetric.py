@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.grouped_matmul.kernel import persistent_kernel
-from pallas_kernels.newton_schulz.reference import COEFFS, EPS, STEPS, short_wide
+from pallas_kernels.newton_schulz.reference import COEFFS, EPS, STEPS, standard_form
 from pallas_kernels.platform import lowered_once
 
 TILE = 128  # rows and columns of a warpgroup's tile; a CTA covers [TILE, 2 TILE]
@@ -33,7 +33,8 @@ class SymmetricBlocks:
 def fits(shape, dtype) -> bool:
   """Whether the kernel takes blocks [..., m, n] of dtype (short side a multiple of 256)."""
   m, n = sorted(shape[-2:])
-  return jnp.dtype(dtype) == jnp.bfloat16 and m % (2 * TILE) == 0 and n % 64 == 0
+  return (jnp.dtype(dtype) == jnp.bfloat16 and m % (2 * TILE) == 0
+          and n % SymmetricBlocks.block_k == 0)
 
 
 def upper_tiles(m: int) -> np.ndarray:
@@ -74,7 +75,7 @@ def _body(tiles_ref, x_ref, *refs, nb, m, k, with_y, blocks, scale):
   from jax.experimental import pallas as pl  # noqa: PLC0415
   from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   y_ref, out_ref = refs if with_y else (None, refs[0])
-  num_tiles = upper_tiles(m).shape[0] // 2
+  num_tiles = tiles_ref.shape[0] // 2
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
   def pipeline(i, p, mma, compute_context):
@@ -187,18 +188,15 @@ def _store_mirror(tile, eye, mirror):
 
 
 def newton_schulz_symmetric(x, *, steps=STEPS, coeffs=COEFFS, eps=EPS, product=None):
-  """The standard form (`reference.py`) on bf16 blocks [..., m, n], A and the polynomial
-  from `product` (default `symmetric_product`), P X by XLA; out in x's dtype."""
+  """The standard form (`reference.standard_form`) in bf16, A and the polynomial from
+  `product` (default `symmetric_product`), P X by XLA; x [..., m, n], out in x's dtype."""
   product = product or symmetric_product
-  a, b, c = coeffs
-  xs, transposed = short_wide(x)
-  lead, (m, n) = xs.shape[:-2], xs.shape[-2:]
-  xs = xs.reshape((-1, m, n)).astype(jnp.float32)
-  norm = jnp.sqrt(jnp.sum(jnp.square(xs), axis=(-2, -1), keepdims=True))
-  xs = (xs / (norm + eps)).astype(jnp.bfloat16)
-  for _ in range(steps):
-    gram = product(xs)
-    poly = product(gram, gram, alpha=c, beta=b, gamma=a)
-    xs = jnp.matmul(poly, xs, preferred_element_type=jnp.bfloat16)
-  out = xs.reshape(lead + (m, n)).astype(x.dtype)
-  return jnp.swapaxes(out, -1, -2) if transposed else out
+
+  def polynomial(xs, coeffs):  # xs [..., m, n] -> [..., m, m]
+    a, b, c = coeffs
+    m = xs.shape[-2]
+    gram = product(xs.reshape((-1, m, xs.shape[-1])))
+    return product(gram, gram, alpha=c, beta=b, gamma=a).reshape(xs.shape[:-1] + (m,))
+
+  return standard_form(x, steps=steps, coeffs=coeffs, eps=eps, dtype=jnp.bfloat16,
+                       polynomial=polynomial)
