@@ -2,7 +2,9 @@
 tiles cover each tile on and above the diagonal once; the standard form on the reference
 product vs the fp32 oracle; the dispatcher's "symmetric" backend; the Mosaic GPU kernel
 lowers for CUDA from this CPU (shared memory checked there); on a GPU, kernel vs reference
-(JAX 0.10's Mosaic GPU interpreter cannot run transposed operands)."""
+(JAX 0.10's Mosaic GPU interpreter cannot run transposed operands):
+
+  JAX_PLATFORMS=cuda python -m pytest tests/test_newton_schulz_symmetric.py"""
 
 import jax
 import jax.numpy as jnp
