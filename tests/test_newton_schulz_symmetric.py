@@ -45,15 +45,18 @@ def test_form_matches_the_oracle():
 
 
 def test_dispatch():
-  """"symmetric" takes bf16 blocks whose short side is a multiple of 256; off CUDA (and for
-  other blocks) it is what "reference" / "auto" give."""
+  """"symmetric" takes bf16 blocks whose short side is a multiple of 256: on a GPU the
+  kernel's form, elsewhere (and for other blocks) what "reference" / "auto" give."""
   assert symmetric.fits((3, 768, 1024), jnp.bfloat16)
   assert symmetric.fits((1024, 768), jnp.bfloat16)
   assert not symmetric.fits((768, 1024), jnp.float32)
   assert not symmetric.fits((128, 2048), jnp.bfloat16)
   x = jax.random.normal(jax.random.key(1), (2, 256, 320), jnp.float32).astype(jnp.bfloat16)
-  np.testing.assert_array_equal(newton_schulz(x, backend="symmetric"),
-                                newton_schulz(x, backend="reference"))
+  got = newton_schulz(x, backend="symmetric")
+  if jax.default_backend() == "gpu":  # the kernel's form
+    assert rel(got, newton_schulz_reference(x.astype(jnp.float32))) < 2e-2
+  else:
+    np.testing.assert_array_equal(got, newton_schulz(x, backend="reference"))
   narrow = x[:, :128]
   np.testing.assert_array_equal(newton_schulz(narrow, backend="symmetric"),
                                 newton_schulz(narrow, backend="auto"))
