@@ -49,6 +49,12 @@ def micro_config():
   return c
 
 
+def rel(a, b) -> float:
+  """||a - b|| / ||b|| in float64: the relative error every reference-vs-kernel spec uses."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 def set_field(cfg, dotted: str, value):
   """cfg.a.b.c = value for dotted = "a.b.c" (the field a config-error test breaks)."""
   *parents, leaf = dotted.split(".")

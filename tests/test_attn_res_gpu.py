@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attn_res import attend, attend_pallas, attend_reference
+from conftest import rel
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
@@ -21,11 +22,6 @@ def _value_and_grads(fn, sources, valid, query, gain, dh):
                    dh.astype(jnp.float32))
   return (fn(sources, valid, query, gain, 1e-5),) + jax.jit(jax.grad(
       loss, argnums=(0, 1, 2)))(sources, query, gain)
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 @pytest.mark.parametrize("dtype,separate", [(jnp.float32, False), (jnp.bfloat16, False),
@@ -47,11 +43,11 @@ def test_kernels_match_the_reference_on_gpu(dtype, separate):
   if dtype == jnp.float32:
     want = jax.tree.leaves(_value_and_grads(attend_reference, sources, valid, query, gain, dh))
     for a, b in zip(got, want, strict=True):
-      assert _rel(a, b) < 1e-5
+      assert rel(a, b) < 1e-5
     return
   exact = jax.tree.leaves(_value_and_grads(
       attend_reference, jax.tree.map(lambda s: s.astype(jnp.float32), sources), valid, query,
       gain, dh.astype(jnp.float32)))
   ref = jax.tree.leaves(_value_and_grads(attend_reference, sources, valid, query, gain, dh))
   for a, b, e in zip(got, ref, exact, strict=True):
-    assert _rel(a, e) <= 1.5 * _rel(b, e) + 1e-6
+    assert rel(a, e) <= 1.5 * rel(b, e) + 1e-6

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attn_res import attend, attend_pallas, attend_reference
+from conftest import rel
 
 EPS = 1e-5
 
@@ -27,11 +28,6 @@ def _value_and_grads(fn, sources, valid, query, gain, dh, **kw):
     return jnp.sum(h.astype(jnp.float32) * dh.astype(jnp.float32))
   return (fn(sources, valid, query, gain, EPS, **kw),) + jax.grad(
       loss, argnums=(0, 1, 2))(sources, query, gain)
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 @pytest.mark.parametrize("S,B,T,d,valid", [
@@ -61,7 +57,7 @@ def test_bf16_kernel_is_as_accurate_as_the_reference():
   ref = _value_and_grads(attend_reference, sources, valid, query, gain, dh)
   assert got[0].dtype == got[1].dtype == jnp.bfloat16
   for a, b, e in zip(got, ref, exact):
-    assert _rel(a, e) <= 1.5 * _rel(b, e) + 1e-6
+    assert rel(a, e) <= 1.5 * rel(b, e) + 1e-6
 
 
 @pytest.mark.parametrize("separate", [False, True])

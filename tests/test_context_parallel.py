@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import short_conv as conv_ops
 from pallas_kernels.kda.context import kda_context_sharded
+from conftest import rel
 
 pytestmark = pytest.mark.xdist_group("test_context_parallel")
 
@@ -23,10 +24,6 @@ CONTEXTS = (2, 4, 8)
 def _mesh(context, data=1, tensor=1):
   devices = np.asarray(jax.devices()[:data * context * tensor])
   return Mesh(devices.reshape(data, context, tensor), ("data", "context", "tensor"))
-
-
-def _rel(a, b):
-  return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
 def _segments(b, t):
@@ -80,9 +77,9 @@ def test_kda_split_over_context_equals_one_device(context, backend, batch, heads
   (o1, s1), g1 = _kda_run("naive")
   (o, s), g = _kda_run(backend, mesh=_mesh(context, data, tensor), seq_axis="context",
                        batch_axis=batch, head_axis=heads)
-  assert _rel(o, o1) < 1e-5 and _rel(s, s1) < 1e-5
+  assert rel(o, o1) < 1e-5 and rel(s, s1) < 1e-5
   for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), g, g1):
-    assert _rel(a, b) < 1e-5, name
+    assert rel(a, b) < 1e-5, name
 
 
 @pytest.mark.parametrize("context,spans", [(2, 2), (8, 1)])
@@ -102,9 +99,9 @@ def test_kda_kernels_chain_their_spans_across_devices(context, spans):
     return jnp.sum(o * cot_o) + jnp.sum(s * cot_s), (o, s)
 
   (_, (o, s)), g = jax.jit(jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True))(*args)
-  assert _rel(o, o1) < 1e-5 and _rel(s, s1) < 1e-5
+  assert rel(o, o1) < 1e-5 and rel(s, s1) < 1e-5
   for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), g, g1):
-    assert _rel(a, b) < 1e-5, name
+    assert rel(a, b) < 1e-5, name
 
 
 def test_kda_kernels_split_over_context_lower_each_call_once():
@@ -164,7 +161,7 @@ def test_kda_chunk_halves_to_fit_a_slice(monkeypatch):
   want = kda_ops.kda(*args[:5], segment_ids=seg, backend="naive")
   got = jax.jit(lambda *a: kda_ops.kda(*a, segment_ids=seg, backend="reference", mesh=_mesh(4),
                                        seq_axis="context"))(*args[:5])
-  assert set(chunks) == {16} and _rel(got, want) < 1e-5
+  assert set(chunks) == {16} and rel(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("context", CONTEXTS)
@@ -186,7 +183,7 @@ def test_short_conv_takes_its_halo_from_the_previous_device(context, backend):
   want, (dx1, dw1) = run("reference")
   got, (dx, dw) = run(backend, mesh=_mesh(context), seq_axis="context")
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  assert _rel(dx, dx1) < 1e-5 and _rel(dw, dw1) < 1e-5
+  assert rel(dx, dx1) < 1e-5 and rel(dw, dw1) < 1e-5
 
 
 def test_short_conv_slice_shorter_than_its_taps_is_refused():

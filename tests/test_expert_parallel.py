@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conftest import micro_config, ragged_all_to_all_by_gather, random_model
+from conftest import micro_config, ragged_all_to_all_by_gather, random_model, rel
 from k3jax import axes, parallel
 from k3jax.config import ConfigError, validate
 from k3jax.model import quantile_balancing as qb
@@ -87,21 +87,16 @@ def sharded(request):
   return request.param, jax.device_get(compiled(*args)), compiled.as_text()
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-
-
 def test_output_aux_and_gradients_equal_the_unsharded_capacity_dispatch(sharded):
   _, (y, aux, g_params, g_x), _ = sharded
   *_, (y1, aux1, g_params1, g_x1) = _problem()
-  assert _rel(y, y1) < 1e-5
+  assert rel(y, y1) < 1e-5
   for key in ("counts", "load", "dropped"):
     np.testing.assert_array_equal(aux[key], aux1[key], err_msg=key)
-  assert _rel(g_x, g_x1) < 1e-5
+  assert rel(g_x, g_x1) < 1e-5
   flat = dict(nnx.to_flat_state(g_params))
   for path, g1 in nnx.to_flat_state(g_params1):
-    assert _rel(flat[path], g1) < 1e-5, path
+    assert rel(flat[path], g1) < 1e-5, path
   assert {("w_g",), ("w_u",), ("w_d",), ("w_down", "kernel")} <= set(flat)
 
 
@@ -206,9 +201,9 @@ def test_per_device_dropless_equals_unsharded_dropless(sizes, token_chunk, monke
   args = _placed(mesh, params, rest, (p, r, x, valid, cot))
   with axes.use_rules(mesh, parallel.RULES):
     y, aux, g_params, g_x = jax.device_get(jax.jit(functools.partial(_step, graphdef))(*args))
-  assert int(aux["dropped"]) == 0 and _rel(y, y1) < 1e-5 and _rel(g_x, g_x1) < 1e-5
+  assert int(aux["dropped"]) == 0 and rel(y, y1) < 1e-5 and rel(g_x, g_x1) < 1e-5
   for key in ("counts", "load"):
     np.testing.assert_array_equal(aux[key], aux1[key], err_msg=key)
   flat = dict(nnx.to_flat_state(g_params))
   for path, g1 in nnx.to_flat_state(g_params1):
-    assert _rel(flat[path], g1) < 1e-5, path
+    assert rel(flat[path], g1) < 1e-5, path

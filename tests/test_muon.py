@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as Dims
 
-from conftest import micro_config
+from conftest import micro_config, rel
 from k3jax.config import ConfigError, base_config, validate
 from k3jax.model import K3Model
 from k3jax.model.layers import Dense, RMSNorm, param
@@ -56,11 +56,6 @@ def _random_like(tree, seed):
   return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.float32), tree)
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 # Where optax puts each Toy parameter, as MuonDimensionNumbers (None: AdamW).
 WHOLE = {"q": Dims(0, (1, 2)), "o": Dims((0, 1), 2), "w": Dims(0, 1), "experts": Dims(1, 2)}
 PER_HEAD = dict(WHOLE, q=Dims(0, 2))   # the head axis (1) becomes a batch axis
@@ -83,7 +78,7 @@ def test_one_update_equals_optax_muon(per_head):
   p, g = flat(params), flat(grads)
   theirs, _ = ref.update(g, ref.init(p), p)
   for name in WHOLE:
-    assert _rel(flat(ours)[name], theirs[name]) < 1e-5, name
+    assert rel(flat(ours)[name], theirs[name]) < 1e-5, name
 
 
 def test_per_head_and_whole_matrix_differ_only_on_heads():
@@ -95,7 +90,7 @@ def test_per_head_and_whole_matrix_differ_only_on_heads():
   for per_head in (False, True):
     tx, _ = make_optimizer(_cfg(per_head=per_head), state)
     updates[per_head] = nnx.to_pure_dict(jax.jit(tx.update)(grads, tx.init(params), params)[0])
-  assert _rel(updates[True]["q"]["kernel"], updates[False]["q"]["kernel"]) > 0.1
+  assert rel(updates[True]["q"]["kernel"], updates[False]["q"]["kernel"]) > 0.1
   for name in ("o", "w"):
     np.testing.assert_array_equal(updates[True][name]["kernel"], updates[False][name]["kernel"])
   # Per head, each head's block is orthogonal on its own: scale^-1 * block has
@@ -209,7 +204,7 @@ def test_grouped_blocks_sharded_equal_unsharded():
   sharded, _ = _model_update(256 * 2**20, mesh=mesh)
   plain, _ = _model_update(0)
   for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(plain)):
-    assert _rel(a, b) < 1e-5
+    assert rel(a, b) < 1e-5
 
 
 def test_groups_keep_order_and_their_byte_cap():
@@ -255,7 +250,7 @@ def test_sharded_heads_are_orthogonalized_in_place(backend):
   hlo, sharded, plain = _sharded_update(var, by_head, backend)
   assert "all-gather" not in hlo
   assert sharded.sharding.spec == by_head.spec
-  assert _rel(sharded, plain) < 1e-5
+  assert rel(sharded, plain) < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
@@ -272,7 +267,7 @@ def test_fsdp_split_blocks_are_orthogonalized_once(backend):
   hlo, sharded, plain = _sharded_update(var, NamedSharding(mesh, P("expert", "fsdp", None)),
                                         backend)
   assert "all-gather" not in hlo and "all-to-all" in hlo
-  assert _rel(sharded, plain) < 1e-5
+  assert rel(sharded, plain) < 1e-5
 
 
 def test_muon_needs_the_parameter_metadata():

@@ -17,6 +17,7 @@ from pallas_kernels.newton_schulz import (COEFFS, gram_matrix_polynomial, newton
                                           newton_schulz_gpu, newton_schulz_reference,
                                           tpu_block_bytes, uses_gram_kernel)
 from pallas_kernels.newton_schulz.gram import split_bf16
+from conftest import rel
 
 RTOL_FP32 = 1e-5  # relative Frobenius error, float32 inputs
 RTOL_BF16 = 1e-2  # bf16 inputs (both sides see the same bf16 values)
@@ -37,11 +38,6 @@ KERNELS = {
 # Ragged batch counts, n off every tile, m > n (transposed inside), two leading dims.
 SHAPES = [(3, 16, 200), (2, 3, 100, 24)]
 reference = jax.jit(newton_schulz_reference)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def blocks(seed, shape, dtype=jnp.float32, cond=None):

@@ -13,13 +13,9 @@ import pytest
 
 from pallas_kernels.newton_schulz import newton_schulz, newton_schulz_reference
 from pallas_kernels.newton_schulz import symmetric
+from conftest import rel
 
 MOSAIC_CALL = "mosaic_gpu"
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 @pytest.mark.parametrize("m", [256, 768, 1024])

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from pallas_kernels.short_conv import short_conv, short_conv_pallas, short_conv_reference
+from conftest import rel
 
 
 def _inputs(B, T, H, D, W, seed=0, dtype=jnp.float32, docs=3):
@@ -26,11 +27,6 @@ def _value_and_grads(fn, x, w, seg, dy, **kw):
   return (y,) + jax.grad(loss, argnums=(0, 1))(x, w)
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
-
-
 @pytest.mark.parametrize("shape,normalize", [
     ((2, 50, 2, 16, 4), True),     # T not a multiple of the row block
     ((1, 40, 3, 24, 3), False),    # D not a power of two, three taps
@@ -46,7 +42,7 @@ def test_kernel_matches_reference(shape, normalize):
   want = _value_and_grads(short_conv_reference, *args, normalize=normalize)
   for name, a, b in zip(("y", "dx", "dw"), got, want):
     assert a.shape == b.shape and a.dtype == b.dtype, name
-    assert _rel(a, b) < 2e-6, (name, _rel(a, b))
+    assert rel(a, b) < 2e-6, (name, rel(a, b))
 
 
 def test_bf16_kernel_is_as_accurate_as_the_reference():
@@ -60,8 +56,8 @@ def test_bf16_kernel_is_as_accurate_as_the_reference():
                          x, w, seg, dy, normalize=True)
   for name, a, b, e in zip(("y", "dx", "dw"), got, ref, exact):
     assert a.dtype == b.dtype, name
-    assert _rel(a, e) < 4e-3 and _rel(b, e) < 4e-3, (name, _rel(a, e), _rel(b, e))
-    assert _rel(a, b) < 4e-3, (name, _rel(a, b))
+    assert rel(a, e) < 4e-3 and rel(b, e) < 4e-3, (name, rel(a, e), rel(b, e))
+    assert rel(a, b) < 4e-3, (name, rel(a, b))
 
 
 def test_dp_stored_in_bf16_rounds_only_the_input_gradient():
@@ -77,8 +73,8 @@ def test_dp_stored_in_bf16_rounds_only_the_input_gradient():
   (y32, dx32, dw32), (y16, dx16, dw16) = run("float32"), run(None)
   np.testing.assert_array_equal(y16, y32)
   np.testing.assert_array_equal(dw16, dw32)
-  assert 0 < _rel(dx16, dx32) < 4e-3 and _rel(dx16, exact[1]) < 4e-3, (
-      _rel(dx16, dx32), _rel(dx16, exact[1]))
+  assert 0 < rel(dx16, dx32) < 4e-3 and rel(dx16, exact[1]) < 4e-3, (
+      rel(dx16, dx32), rel(dx16, exact[1]))
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret"])
@@ -108,7 +104,7 @@ def test_tap_gradients_sum_in_fp32():
     loss = lambda w, x, dy, fn=fn: jnp.sum(fn(x, w, seg).astype(jnp.float32) * dy)
     grad = jax.jit(jax.grad(loss))
     exact = grad(w, x.astype(jnp.float32), dy.astype(jnp.float32))
-    assert _rel(grad(w, x, dy), exact) < 1e-5
+    assert rel(grad(w, x, dy), exact) < 1e-5
     assert fn(x, w, seg).dtype == jnp.bfloat16
 
 
@@ -184,4 +180,4 @@ def test_layer_conv_backends_agree():
   (l0, (p0, x0)), (l1, (p1, x1)) = results
   np.testing.assert_allclose(l1, l0, rtol=1e-6)
   for a, b in zip(jax.tree.leaves((x1, p1)), jax.tree.leaves((x0, p0))):
-    assert _rel(a, b) < 1e-5, _rel(a, b)
+    assert rel(a, b) < 1e-5, rel(a, b)
