@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attn_res import attend, attend_pallas, attend_reference
 from conftest import rel
+from pallas_kernels.attn_res import attend, attend_pallas, attend_reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 

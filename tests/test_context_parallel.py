@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
+from conftest import rel
 from pallas_kernels import kda as kda_ops
 from pallas_kernels import short_conv as conv_ops
 from pallas_kernels.kda.context import kda_context_sharded
-from conftest import rel
 
 pytestmark = pytest.mark.xdist_group("test_context_parallel")
 

@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import rel
 from pallas_kernels.newton_schulz import (COEFFS, gram_matrix_polynomial, newton_schulz,
                                           newton_schulz_gpu, newton_schulz_reference,
                                           tpu_block_bytes, uses_gram_kernel)
 from pallas_kernels.newton_schulz.gram import split_bf16
-from conftest import rel
 
 RTOL_FP32 = 1e-5  # relative Frobenius error, float32 inputs
 RTOL_BF16 = 1e-2  # bf16 inputs (both sides see the same bf16 values)

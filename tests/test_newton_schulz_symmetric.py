@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import rel
 from pallas_kernels.newton_schulz import newton_schulz, newton_schulz_reference
 from pallas_kernels.newton_schulz import symmetric
-from conftest import rel
 
 MOSAIC_CALL = "mosaic_gpu"
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallas_kernels.short_conv import short_conv, short_conv_pallas, short_conv_reference
 from conftest import rel
+from pallas_kernels.short_conv import short_conv, short_conv_pallas, short_conv_reference
 
 
 def _inputs(B, T, H, D, W, seed=0, dtype=jnp.float32, docs=3):
