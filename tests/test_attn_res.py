@@ -87,12 +87,12 @@ def stack_params(num_sub, seed=10):
 def reference_stack(emb, qs, gs, ws, q_out, g_out, block_sub):
   """Explicit Python list of block sums; each sublayer's input by the direct formula."""
   blocks, partial, inputs = [np.asarray(emb, np.float64)], None, []
-  for l in range(len(qs)):
-    h = ref_attend(blocks + ([] if partial is None else [partial]), qs[l], gs[l])
+  for sub in range(len(qs)):
+    h = ref_attend(blocks + ([] if partial is None else [partial]), qs[sub], gs[sub])
     inputs.append(h)
-    out = np.tanh(h @ ws[l])
+    out = np.tanh(h @ ws[sub])
     partial = out if partial is None else partial + out
-    if (l + 1) % block_sub == 0:
+    if (sub + 1) % block_sub == 0:
       blocks.append(partial)
       partial = None
   final = ref_attend(blocks + ([] if partial is None else [partial]), q_out, g_out)
@@ -115,7 +115,7 @@ def test_block_state_sequence_unrolled(num_layers):
   num_sub = 2 * num_layers
   emb = randn(20, B, T, D)
   qs, gs, ws, q_out, g_out = stack_params(num_sub)
-  queries = [query_module(qs[l], gs[l]) for l in range(num_sub)]
+  queries = [query_module(qs[sub], gs[sub]) for sub in range(num_sub)]
   out_query = query_module(q_out, g_out)
   num_slots = num_slots_for(num_layers, block_layers)
   run = jax.jit(lambda emb: unrolled_stack(emb, ws, queries, out_query, block_sub,
