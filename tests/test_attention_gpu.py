@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import rel
 from pallas_kernels import backends
 from pallas_kernels.attention import (attention_reference, cudnn_ready, flash_cuda, flash_cudnn,
                                       flash_gpu, max_logit_gpu, unique_padding_ids)
@@ -45,11 +46,6 @@ def single_documents():
   ids = np.zeros((B, T), np.int32)
   ids[0, :T - 37], ids[1] = 4, 2
   return jnp.asarray(ids)
-
-
-def rel_rms(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def value_and_grads(fn, q, k, v):
@@ -83,7 +79,7 @@ def test_cudnn_matches_dense(runs, slots):
   out, grads = value_and_grads(functools.partial(
       flash_cudnn, segment_ids=ids, scale=DQK ** -0.5, causal=True, slots=slots), q, k, v)
   ref, ref_grads = value_and_grads(reference(ids), q, k, v)
-  errors = {name: rel_rms(x, r) for name, x, r in zip(("out", "dq", "dk", "dv"),
+  errors = {name: rel(x, r) for name, x, r in zip(("out", "dq", "dk", "dv"),
                                                        (out, *grads), (ref, *ref_grads))}
   assert all(e < BF16_RMS for e in errors.values()), errors
   pad = np.asarray(ids) == 0
@@ -108,7 +104,7 @@ def test_flash_cuda_picks_the_form_each_batch_takes():
   np.testing.assert_array_equal(cuda(q, k, v, single), cudnn(1)(q, k, v, segment_ids=single))
   np.testing.assert_array_equal(cuda(q, k, v, few), cudnn(64)(q, k, v, segment_ids=few))
   np.testing.assert_array_equal(cuda(q, k, v, many), triton(q, k, v, many))
-  assert rel_rms(cuda(q, k, v, many), reference(many)(q, k, v)) < BF16_RMS
+  assert rel(cuda(q, k, v, many), reference(many)(q, k, v)) < BF16_RMS
 
 
 @needs_cudnn
@@ -168,7 +164,7 @@ def test_kernels_remat_keeps_the_cudnn_forward():
   assert counts["kernels"] == counts["none"] < counts["full"], counts
   (_, kept), (_, plain) = programs["kernels"](q, k, v), programs["none"](q, k, v)
   for a, b in zip(kept, plain):
-    assert rel_rms(a, b) < BF16_RMS
+    assert rel(a, b) < BF16_RMS
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -209,6 +205,6 @@ def test_split_over_the_gpus_of_the_host():
                                       (0, 1, 2)))(*args)[1]
   got, want = grads(fn, *placed), grads(reference(ids), q, k, v)
   for name, x, r in zip(("dq", "dk", "dv"), got, want):
-    assert rel_rms(x, r) < BF16_RMS, name
+    assert rel(x, r) < BF16_RMS, name
   out = jax.jit(fn)(*placed)
-  assert rel_rms(out, reference(ids)(q, k, v)) < BF16_RMS
+  assert rel(out, reference(ids)(q, k, v)) < BF16_RMS

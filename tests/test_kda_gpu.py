@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import rel
 from pallas_kernels.kda import kda_naive, kda_pallas
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -21,11 +22,6 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a 
 B, T, H, D = 2, 700, 2, 128
 RTOL_BF16 = {"o": 5e-3, "state": 5e-3, "q": 8e-3, "k": 8e-3, "v": 8e-3, "h0": 8e-3,
              "g": 2e-2, "beta": 2e-2}
-
-
-def rel_rms(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def inputs(softplus: bool):
@@ -72,4 +68,4 @@ def test_kernels_match_recurrence_on_gpu(softplus):
   for name, a, b in zip(names, (*out, *grads), (*out_ref, *grads_ref)):
     a = np.asarray(a, np.float32)
     assert np.all(np.isfinite(a)), name
-    assert rel_rms(a, b) < RTOL_BF16[name], (name, rel_rms(a, b))
+    assert rel(a, b) < RTOL_BF16[name], (name, rel(a, b))

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import micro_config, ragged_all_to_all_by_gather, random_model
+from conftest import micro_config, ragged_all_to_all_by_gather, random_model, rel
 from k3jax import axes, parallel
 from k3jax.config import ConfigError, validate
 from k3jax.model import K3Model
@@ -195,7 +195,7 @@ def test_kda_kernel_runs_per_device_under_the_mesh():
   with axes.use_rules(mesh, parallel.RULES):
     got = nnx.jit(lambda m, x, s: m(x, s)[0])(
         layer, jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp", "expert")))), seg)
-  err = np.linalg.norm(np.asarray(got) - np.asarray(want)) / np.linalg.norm(np.asarray(want))
+  err = rel(got, want)
   assert err < 1e-5, err
 
 
