@@ -126,7 +126,7 @@ class LatentMoE(nnx.Module):
     w_g, w_u, w_d = self.expert_weights()
     u, dropped = self._dispatch(dispatch, platform, z, idx, w, (w_g, w_u, w_d), act,
                                  flat_valid)
-    u = keep("moe_experts", constrain(u.reshape(b, t, -1), ("batch", "seq", "latent")))
+    u = constrain(u.reshape(b, t, -1), ("batch", "seq", "latent"))
     y = self.w_up(self.latent_norm(u).astype(self.dtype))
     with jax.named_scope("shared"):
       for mlp in self.shared:

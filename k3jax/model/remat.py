@@ -51,7 +51,7 @@ SAVEABLE = {
     "moe_latent": "LatentMoE's latent z = x W_down [B, T, latent]",
     "moe_experts": "the dropless dispatch's sort (order, inverse, group sizes [E]), the "
                    "sorted rows [N*k, latent], the routed experts' x W_g and x W_u [N*k, "
-                   "hidden], their outputs [N*k, latent] and the combined u [B, T, latent] fp32",
+                   "hidden] and their outputs [N*k, latent]",
     "glu_proj": "the gated MLPs' x W_g and x W_u (shared experts, dense FFN) [B, T, hidden]",
     "glu_out": "the gated MLPs' activation h, W_d's input (shared experts, dense FFN) "
                "[B, T, hidden]",
