@@ -46,6 +46,17 @@ def time_torch(fwd, fwd_bwd, reps, grad_to_none):
   return dict(fwd_ms=fwd_ms, fwd_bwd_ms=fwd_bwd_ms)
 
 
+def paired(a, b) -> tuple[float, float, float, float, float]:
+  """Times of two builds taken in alternation (a[i] just before b[i]): (median a, median b,
+  then the median, min and max of b[i] - a[i]). Pairs cancel the drift both builds saw."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.shape != b.shape or not a.size:
+    raise ValueError(f"paired times need two equal, non-empty lists: {a.size} and {b.size}")
+  diff = b - a
+  return (float(np.median(a)), float(np.median(b)), float(np.median(diff)),
+          float(diff.min()), float(diff.max()))
+
+
 def rel_rms(a, b):
   """||a - b|| / ||b|| in float64 (||a - b|| where b is all zeros)."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

@@ -12,6 +12,9 @@
   # XLA options compared on one lowered step (compile and step time), in one process
   python benchmarks/train_step.py --config=experiments/k3_small.py --variants= --nons_blocks \
       --config.train.xla_options= --compile_with=xla_gpu_enable_triton_gemm=false
+  # a second build (config overrides) against the config's, steps alternating on one state
+  python benchmarks/train_step.py --config=experiments/k3_small.py --variants= --nons_blocks \
+      --config.train.gpu_memory_fraction=0.95 --ab=train.microbatches=2
 
 Issue 3 asks that the optimizer step (update + QK-Clip + apply) stays under 5% of the
 train step (forward, backward, optimizer, Quantile Balancing). The train step is compiled
@@ -30,6 +33,7 @@ import functools
 import math
 import os
 import pathlib
+import sys
 import time
 
 import jax
@@ -37,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import app, flags
-from harness import header
+from harness import header, paired
+from ml_collections import config_flags
 
 from k3jax import cli, memory, optim, parallel, program
 from k3jax import data as k3data
@@ -68,6 +73,12 @@ _COMPILE_WITH = flags.DEFINE_multi_string(
     "compile_with", [], "after the train step, compile the same lowered step with each of these "
     "XLA option sets (\"name=value,...\", added to train.xla_options, later wins) and time it "
     "going on from the last state: compile and step times side by side in one process")
+
+_AB = flags.DEFINE_multi_string(
+    "ab", [], "a config override (\"train.microbatches=2\"; the flag again for more) of a "
+    "second build, compiled after the train step and timed against it in this process, the "
+    "two alternating on one state: each build's median step and their paired difference (the "
+    "GPU memory share stays the config's)")
 
 
 def first_batch(cfg) -> dict:
@@ -196,10 +207,62 @@ def run_steps(step, state, batch) -> tuple[list, list[float], list[float]]:
   return state, times, losses
 
 
-def time_train_step(cfg, prog, batch):
+def ab_config():
+  """The validated config of this run's --config flags with the --ab overrides on top."""
+  argv = ["train_step", *(a for a in sys.argv[1:] if a.startswith(("--config=", "--config."))),
+          *(f"--config.{o}" for o in _AB.value)]
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, flag_values=fv, sys_argv=argv,
+                                           lock_config=True)
+  try:
+    fv(argv)
+    cfg = holder.value
+    cfg.keys()
+  except Exception as e:  # noqa: BLE001  (ml_collections raises several kinds)
+    raise app.UsageError(f"--ab: {cli.explain_config_error(e, argv) or e}") from None
+  return k3config.validate(cfg)
+
+
+def ab_program(cfg_b, prog):
+  """The --ab build on prog's mesh; UsageError where it would not take prog's state."""
+  prog_b = program.build(cfg_b, prog.mesh)
+  spec = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+  if spec(prog_b.abstract_state) != spec(prog.abstract_state):
+    raise app.UsageError(f"--ab {_AB.value} changes the parameters or optimizer state: "
+                         "the two builds cannot take turns on one state")
+  return prog_b
+
+
+def time_ab(prog_b, prog, step, state, batch):
+  """--ab: prog_b's step compiled, then prog's step and prog_b's alternating on `state`;
+  prints both medians and the paired difference. -> state."""
+  cfg_b = prog_b.cfg
+  with prog_b.rules():
+    t0 = time.perf_counter()
+    step_b = prog_b.lower_train_step().compile()
+  print(f"# --ab build {_AB.value} compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+  runs = ((step, batch), (step_b, jax.device_put(batch, prog_b.batch_shardings)))
+  times = ([], [])
+  for i in range(2 + _REPS.value):
+    for (fn, inputs), out_times in zip(runs, times):
+      t0 = time.perf_counter()
+      *state, out = fn(*state, inputs)
+      jax.block_until_ready(out)
+      if i >= 2:  # after 2 warm-up rounds
+        out_times.append(time.perf_counter() - t0)
+  a, b, diff, lo, hi = paired(*times)
+  print(f"# alternating {_REPS.value} times: config {a * 1e3:.1f} ms (MFU {mfu_text(prog.cfg, a)}"
+        f"), --ab {b * 1e3:.1f} ms (MFU {mfu_text(cfg_b, b)}, temporaries "
+        f"{step_b.memory_analysis().temp_size_in_bytes / 2**30:.1f} GiB); --ab - config "
+        f"{diff * 1e3:+.1f} ms a step (pairs {lo * 1e3:+.1f} to {hi * 1e3:+.1f})", flush=True)
+  return state
+
+
+def time_train_step(cfg, prog, batch, prog_b=None):
   """(compiled step, seconds of --reps steps after 2 warm-up ones, every step's loss): prog's
   train step on batch (placed as prog's batch shardings), fresh state; with --profile_dir one
-  more step traced, its HLO beside the trace; then each --compile_with set's row."""
+  more step traced, its HLO beside the trace; then each --compile_with set's row and, given
+  prog_b (--ab), `time_ab`'s."""
   t = cfg.train
   with prog.rules():
     # compiled before the state is drawn, as k3jax.train does: the autotuner's buffers come
@@ -232,6 +295,8 @@ def time_train_step(cfg, prog, batch):
             f"{other.memory_analysis().temp_size_in_bytes / 2**30:.1f} GiB, losses "
             f"{[round(x, 4) for x in other_losses]}", flush=True)
       del other
+    if prog_b is not None:
+      state = time_ab(prog_b, prog, step, state, batch)
   return step, times, losses
 
 
@@ -269,6 +334,7 @@ def main(argv):
   cfg = k3config.validate(cli.CONFIG.value)
   for spec in _COMPILE_WITH.value:  # a malformed set fails now, not after the compile
     k3config.xla_options(spec, "any")
+  cfg_b = ab_config() if _AB.value else None  # an --ab typo too
   t = cfg.train
   memory.claim_gpu_share(t.gpu_memory_fraction)  # before `header` starts JAX
   print(header(f"{cfg.model.num_layers} layers, d {cfg.model.d_model}",
@@ -276,6 +342,7 @@ def main(argv):
 
   # The program k3jax.train runs (donating its state), on a mesh over --devices devices.
   prog = program.build(cfg, parallel.make_mesh(cfg.mesh, jax.devices()[:_DEVICES.value]))
+  prog_b = ab_program(cfg_b, prog) if cfg_b is not None else None
   abs_params = prog.abstract_params
   batch = first_batch(cfg)
 
@@ -297,7 +364,7 @@ def main(argv):
   print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}, "
         f"cast_params_once {t.cast_params_once}", flush=True)
   batch = jax.device_put(batch, prog.batch_shardings)
-  step, times, losses = time_train_step(cfg, prog, batch)
+  step, times, losses = time_train_step(cfg, prog, batch, prog_b)
   print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
   print_tables(cfg, jax.devices()[0], step, float(np.median(times)), losses[-1], opt_times)
 
