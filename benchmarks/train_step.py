@@ -208,9 +208,12 @@ def run_steps(step, state, batch) -> tuple[list, list[float], list[float]]:
 
 
 def ab_config():
-  """The validated config of this run's --config flags with the --ab overrides on top."""
-  argv = ["train_step", *(a for a in sys.argv[1:] if a.startswith(("--config=", "--config."))),
-          *(f"--config.{o}" for o in _AB.value)]
+  """The validated config of this run's --config flags with the --ab overrides on top;
+  ConfigError (one `config error:` line, exit 2) naming a typo."""
+  args = sys.argv[1:]
+  given = [a for i, a in enumerate(args) if a.startswith(("--config=", "--config."))
+           or a == "--config" or (i and args[i - 1] == "--config")]
+  argv = ["train_step", *given, *(f"--config.{o}" for o in _AB.value)]
   fv = flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, flag_values=fv, sys_argv=argv,
                                            lock_config=True)
@@ -219,7 +222,7 @@ def ab_config():
     cfg = holder.value
     cfg.keys()
   except Exception as e:  # noqa: BLE001  (ml_collections raises several kinds)
-    raise app.UsageError(f"--ab: {cli.explain_config_error(e, argv) or e}") from None
+    raise k3config.ConfigError(f"--ab: {cli.explain_config_error(e, argv) or e}") from None
   return k3config.validate(cfg)
 
 
@@ -228,8 +231,8 @@ def ab_program(cfg_b, prog):
   prog_b = program.build(cfg_b, prog.mesh)
   spec = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
   if spec(prog_b.abstract_state) != spec(prog.abstract_state):
-    raise app.UsageError(f"--ab {_AB.value} changes the parameters or optimizer state: "
-                         "the two builds cannot take turns on one state")
+    raise k3config.ConfigError(f"--ab {_AB.value} changes the parameters or optimizer state: "
+                               "the two builds cannot take turns on one state")
   return prog_b
 
 

@@ -40,12 +40,14 @@ def test_paired_times_difference_each_pair():
     ("model.d_model=64", "changes the parameters or optimizer state")])
 def test_train_step_ab_refuses_a_bad_build_before_compiling(override, message):
   """`train_step.py --ab`: a typo, or a build that could not take the config's state in
-  turns, stops with its reason before the minutes of compile."""
+  turns, is a config error (exit 2) before the minutes of compile; `--config FILE` as two
+  words is read too."""
   root = pathlib.Path(__file__).resolve().parents[1]
   run = subprocess.run(
-      [sys.executable, "benchmarks/train_step.py", "--config=experiments/k3_tiny.py",
+      [sys.executable, "benchmarks/train_step.py", "--config", "experiments/k3_tiny.py",
        "--variants=", "--nons_blocks", f"--ab={override}"],
       cwd=root, capture_output=True, text=True, timeout=300,
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert run.returncode == 1 and message in run.stderr, run.stderr[-2000:]
+  assert run.returncode == 2 and "config error: --ab" in run.stderr, run.stderr[-2000:]
+  assert message in run.stderr, run.stderr[-2000:]
   assert "compiled" not in run.stdout
