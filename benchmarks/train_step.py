@@ -42,7 +42,6 @@ import numpy as np
 import optax
 from absl import app, flags
 from harness import header, paired
-from ml_collections import config_flags
 
 from k3jax import cli, memory, optim, parallel, program
 from k3jax import data as k3data
@@ -194,16 +193,22 @@ def time_optimizer_steps(cfg, abs_params, params) -> dict[str, float]:
   return opt_times
 
 
+def one_step(step, state, batch) -> tuple[list, float, dict]:
+  """(state after, seconds, outputs) of one step, waited for."""
+  t0 = time.perf_counter()
+  *state, out = step(*state, batch)
+  jax.block_until_ready(out)
+  return state, time.perf_counter() - t0, out
+
+
 def run_steps(step, state, batch) -> tuple[list, list[float], list[float]]:
   """(state after, seconds of --reps steps after 2 warm-up ones, every step's loss)."""
   times, losses = [], []
   for i in range(2 + _REPS.value):
-    t0 = time.perf_counter()
-    *state, out = step(*state, batch)
-    jax.block_until_ready(out)
+    state, secs, out = one_step(step, state, batch)
     losses.append(float(out["loss"]))
     if i >= 2:  # after 2 warm-up steps
-      times.append(time.perf_counter() - t0)
+      times.append(secs)
   return state, times, losses
 
 
@@ -213,21 +218,14 @@ def ab_config():
   args = sys.argv[1:]
   given = [a for i, a in enumerate(args) if a.startswith(("--config=", "--config."))
            or a == "--config" or (i and args[i - 1] == "--config")]
-  argv = ["train_step", *given, *(f"--config.{o}" for o in _AB.value)]
-  fv = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file("config", None, flag_values=fv, sys_argv=argv,
-                                           lock_config=True)
   try:
-    fv(argv)
-    cfg = holder.value
-    cfg.keys()
-  except Exception as e:  # noqa: BLE001  (ml_collections raises several kinds)
-    raise k3config.ConfigError(f"--ab: {cli.explain_config_error(e, argv) or e}") from None
-  return k3config.validate(cfg)
+    return cli.config_from_args(["train_step", *given, *(f"--config.{o}" for o in _AB.value)])
+  except k3config.ConfigError as e:
+    raise k3config.ConfigError(f"--ab: {e}") from None
 
 
 def ab_program(cfg_b, prog):
-  """The --ab build on prog's mesh; UsageError where it would not take prog's state."""
+  """The --ab build on prog's mesh; ConfigError where it would not take prog's state."""
   prog_b = program.build(cfg_b, prog.mesh)
   spec = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
   if spec(prog_b.abstract_state) != spec(prog.abstract_state):
@@ -248,11 +246,9 @@ def time_ab(prog_b, prog, step, state, batch):
   times = ([], [])
   for i in range(2 + _REPS.value):
     for (fn, inputs), out_times in zip(runs, times):
-      t0 = time.perf_counter()
-      *state, out = fn(*state, inputs)
-      jax.block_until_ready(out)
+      state, secs, _ = one_step(fn, state, inputs)
       if i >= 2:  # after 2 warm-up rounds
-        out_times.append(time.perf_counter() - t0)
+        out_times.append(secs)
   a, b, diff, lo, hi = paired(*times)
   print(f"# alternating {_REPS.value} times: config {a * 1e3:.1f} ms (MFU {mfu_text(prog.cfg, a)}"
         f"), --ab {b * 1e3:.1f} ms (MFU {mfu_text(cfg_b, b)}, temporaries "

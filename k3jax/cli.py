@@ -99,6 +99,21 @@ def explain_config_error(error: Exception, argv: list[str]) -> str | None:
   return None
 
 
+def config_from_args(argv: list[str]):
+  """The validated config that argv (a program name, then --config and --config.* flags)
+  gives, parsed as the --config flag parses; ConfigError explaining a bad flag."""
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", None, flag_values=fv, sys_argv=argv,
+                                           lock_config=True)
+  try:
+    fv(argv)
+    cfg = holder.value
+    cfg.keys()
+  except Exception as e:  # noqa: BLE001  (ml_collections raises several kinds)
+    raise k3config.ConfigError(explain_config_error(e, argv) or str(e)) from None
+  return k3config.validate(cfg)
+
+
 def _load_problem(cfg) -> str | None:
   """What kept ml_collections from loading the config file; None if it loaded."""
   if cfg is None or isinstance(cfg, ml_collections.ConfigDict):

@@ -12,9 +12,6 @@ import json
 import os
 import re
 
-from absl import flags
-from ml_collections import config_flags
-
 from k3jax import cli, metrics
 from k3jax import config as k3config
 
@@ -135,19 +132,8 @@ def plan(sweep: Sweep, workdir: str) -> list[Run]:
 
 def run_config(run: Run):
   """The validated config `run`'s flags give k3jax.train; ConfigError naming the arm."""
-  argv = ["k3jax.train", *_settings(run.args)]
-  fv = flags.FlagValues()
   try:
-    holder = config_flags.DEFINE_config_file("config", None, flag_values=fv, sys_argv=argv,
-                                             lock_config=True)
-    fv(argv)
-    cfg = holder.value
-    cfg.keys()
-  except Exception as e:  # noqa: BLE001  (ml_collections raises several kinds)
-    raise k3config.ConfigError(
-        f"arm {run.arm!r}: {cli.explain_config_error(e, argv) or e}") from None
-  try:
-    return k3config.validate(cfg)
+    return cli.config_from_args(["k3jax.train", *_settings(run.args)])
   except k3config.ConfigError as e:
     raise k3config.ConfigError(f"arm {run.arm!r}: {e}") from None
 
