@@ -275,6 +275,9 @@ def time_train_step(cfg, prog, batch, prog_b=None):
     wait_for_sharers()
     state = prog.fresh_state()
     state, times, losses = run_steps(step, state, batch)
+    secs = float(np.median(times))  # in the log before what may run out of memory below
+    print(f"# train step {secs * 1e3:.1f} ms (median of {len(times)}), MFU {mfu_text(cfg, secs)}",
+          flush=True)
     if _PROFILE_DIR.value:
       with jax.profiler.trace(_PROFILE_DIR.value, create_perfetto_trace=True):
         *state, out = step(*state, batch)
