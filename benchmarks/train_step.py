@@ -259,9 +259,9 @@ def time_ab(prog_b, prog, step, state, batch):
 
 def time_train_step(cfg, prog, batch, prog_b=None):
   """(compiled step, seconds of --reps steps after 2 warm-up ones, every step's loss): prog's
-  train step on batch (placed as prog's batch shardings), fresh state; with --profile_dir one
-  more step traced, its HLO beside the trace; then each --compile_with set's row and, given
-  prog_b (--ab), `time_ab`'s."""
+  train step on batch (placed as prog's batch shardings), fresh state, its median logged;
+  with --profile_dir one more step traced, its HLO beside the trace; then each
+  --compile_with set's row and, given prog_b (--ab), `time_ab`'s."""
   t = cfg.train
   with prog.rules():
     # compiled before the state is drawn, as k3jax.train does: the autotuner's buffers come
@@ -275,9 +275,9 @@ def time_train_step(cfg, prog, batch, prog_b=None):
     wait_for_sharers()
     state = prog.fresh_state()
     state, times, losses = run_steps(step, state, batch)
-    secs = float(np.median(times))  # in the log before what may run out of memory below
-    print(f"# train step {secs * 1e3:.1f} ms (median of {len(times)}), MFU {mfu_text(cfg, secs)}",
-          flush=True)
+    median_s = float(np.median(times))  # logged before what below may run out of memory
+    print(f"# train step {median_s * 1e3:.1f} ms (median of {len(times)}), MFU "
+          f"{mfu_text(cfg, median_s)}", flush=True)
     if _PROFILE_DIR.value:
       with jax.profiler.trace(_PROFILE_DIR.value, create_perfetto_trace=True):
         *state, out = step(*state, batch)
