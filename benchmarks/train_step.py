@@ -52,7 +52,8 @@ from pallas_kernels.newton_schulz import newton_schulz
 
 _VARIANTS = flags.DEFINE_list("variants", ["muon:auto", "muon:reference", "adamw"],
                               "optimizer steps to time: muon:<ns_backend> or adamw")
-_REPS = flags.DEFINE_integer("reps", 10, "timed repetitions (after 2 warm-up runs)")
+WARMUP = 2  # untimed runs before each timed series (first-call compiles, the allocator's pool)
+_REPS = flags.DEFINE_integer("reps", 10, f"timed repetitions (after {WARMUP} warm-up runs)")
 _DEVICES = flags.DEFINE_integer("devices", 1, "devices of the train step's mesh (config.mesh "
                                 "says how they split, e.g. --config.mesh.expert=2)")
 _NS_BLOCKS = flags.DEFINE_bool("ns_blocks", True, "time Newton-Schulz alone per block shape")
@@ -103,11 +104,11 @@ def timed(fn, *args, reps: int) -> tuple[float, object]:
   Each call's output is freed before the next call: two outputs of k3_small's optimizer
   step beside its arguments do not fit an H100."""
   times = []
-  for i in range(2 + reps):
+  for i in range(WARMUP + reps):
     out = None
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
-    if i >= 2:
+    if i >= WARMUP:
       times.append(time.perf_counter() - t0)
   return float(np.median(times)), out
 
@@ -202,12 +203,12 @@ def one_step(step, state, batch) -> tuple[list, float, dict]:
 
 
 def run_steps(step, state, batch) -> tuple[list, list[float], list[float]]:
-  """(state after, seconds of --reps steps after 2 warm-up ones, every step's loss)."""
+  """(state after, seconds of --reps steps after the warm-up ones, every step's loss)."""
   times, losses = [], []
-  for i in range(2 + _REPS.value):
+  for i in range(WARMUP + _REPS.value):
     state, secs, out = one_step(step, state, batch)
     losses.append(float(out["loss"]))
-    if i >= 2:  # after 2 warm-up steps
+    if i >= WARMUP:
       times.append(secs)
   return state, times, losses
 
@@ -244,10 +245,10 @@ def time_ab(prog_b, prog, step, state, batch):
   print(f"# --ab build {_AB.value} compiled in {time.perf_counter() - t0:.0f} s", flush=True)
   runs = ((step, batch), (step_b, jax.device_put(batch, prog_b.batch_shardings)))
   times = ([], [])
-  for i in range(2 + _REPS.value):
+  for i in range(WARMUP + _REPS.value):
     for (fn, inputs), out_times in zip(runs, times):
       state, secs, _ = one_step(fn, state, inputs)
-      if i >= 2:  # after 2 warm-up rounds
+      if i >= WARMUP:
         out_times.append(secs)
   a, b, diff, lo, hi = paired(*times)
   print(f"# alternating {_REPS.value} times: config {a * 1e3:.1f} ms (MFU {mfu_text(prog.cfg, a)}"
@@ -258,7 +259,7 @@ def time_ab(prog_b, prog, step, state, batch):
 
 
 def time_train_step(cfg, prog, batch, prog_b=None):
-  """(compiled step, seconds of --reps steps after 2 warm-up ones, every step's loss): prog's
+  """(compiled step, seconds of --reps steps after the warm-up ones, every step's loss): prog's
   train step on batch (placed as prog's batch shardings), fresh state, its median logged;
   with --profile_dir one more step traced, its HLO beside the trace; then each
   --compile_with set's row and, given prog_b (--ab), `time_ab`'s."""
