@@ -86,9 +86,13 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
   gradients."""
   tokens = np.random.default_rng(2).integers(0, 64, (2, 40)).astype(np.int32)
   seg = np.ones((2, 40), np.int32)
-  graphdef, params, rest = nnx.split(random_model(_scan_config().model), nnx.Param, ...)
-  plan = layer_plan(_scan_config().model)
-  assert (plan.prefix, plan.num_cycles, plan.cycle, plan.suffix) == (0, 2, 4, 1)
+  # 5 layers, the fewest that scan two cycles (eleven gradients compile here): two
+  # [KDA, MLA] cycles and the final MLA; the AttnRes boundary after layer 3 falls inside
+  # the second cycle, none inside the first.
+  small = {"num_layers": 5, "mla_every": 2}
+  graphdef, params, rest = nnx.split(random_model(_scan_config(**small).model), nnx.Param, ...)
+  plan = layer_plan(_scan_config(**small).model)
+  assert (plan.prefix, plan.num_cycles, plan.cycle, plan.suffix) == (0, 2, 2, 1)
   # A well-conditioned point: matrices at a quarter of random_model's scale (as in
   # tests/test_parallel.py; the AttnRes queries stay non-zero), so that fp32 rounding
   # differences are not amplified layer by layer into the size of what is measured.
@@ -97,7 +101,7 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
                        else x), params)
 
   def loss_for(**changes):
-    gd = nnx.graphdef(nnx.eval_shape(lambda: K3Model(_scan_config(**changes).model,
+    gd = nnx.graphdef(nnx.eval_shape(lambda: K3Model(_scan_config(**small, **changes).model,
                                                      rngs=nnx.Rngs(0))))
 
     def loss(p):
@@ -107,11 +111,10 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
 
   base_loss, base_grad = loss_for()
   # The unrolled stack reads only the AttnRes sources that exist (`attn_res.Slots`), the
-  # scanned one its whole buffer with the rest masked: sums over fewer terms, 3.7e-6
-  # relative per gradient leaf at most (measured; without AttnRes the two are bit-exact),
-  # below 1e-5. Remat recomputes the forward
-  # in a differently fused program: fp32 rounding differences only, 9e-6 relative per
-  # gradient leaf at most (measured), below 1e-4 (a wrong recomputation is O(1)).
+  # scanned one its whole buffer with the rest masked: sums over fewer terms, a few 1e-6
+  # relative per gradient leaf (without AttnRes the two are bit-exact), below 1e-5. Remat
+  # recomputes the forward in a differently fused program: fp32 rounding differences only,
+  # about 1e-5 relative per gradient leaf, below 1e-4 (a wrong recomputation is O(1)).
   # remat_scope "layer": each scanned layer its own remat region inside the cycle's.
   # (attn_res.scan_saves "partial" without remat runs the same custom VJP as with it)
   for changes, tol in (({"scan_layers": False}, 1e-5), ({"remat": "full"}, 1e-4),
