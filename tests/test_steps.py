@@ -55,6 +55,11 @@ def whole():
   return _one_step(1)
 
 
+# the tests that read `whole` run in one pytest-xdist worker, which builds it once
+WHOLE = pytest.mark.xdist_group("steps_whole")
+
+
+@WHOLE
 def test_microbatched_step_equals_whole_batch(whole):
   """2 microbatches of 4 rows on a 4-way data-parallel mesh: the same loss, load
   statistics, max logits, updated parameters, optimizer state and Quantile-Balancing
@@ -62,6 +67,7 @@ def test_microbatched_step_equals_whole_batch(whole):
   _assert_same_step(_one_step(2), whole)
 
 
+@WHOLE
 def test_step_with_chunked_loss_equals_whole_logits(whole):
   """The LM head + loss 8 positions at a time (4 chunks of the 32, each differentiated in
   its forward): the same step as with the whole [B, T, V] logits: loss, gradient norm,
