@@ -81,6 +81,8 @@ def _scan_config(**changes):
   return c
 
 
+# builds its own models (no `micro`): a group of its own, free to run beside this module's
+@pytest.mark.xdist_group("scan_remat")
 def test_scan_equals_unrolled_and_remat_keeps_gradients():
   """Scanned vs unrolled cycles, and every remat policy and scope, give the same loss and
   gradients."""
