@@ -259,8 +259,9 @@ def time_ab(prog_b, prog, step, state, batch):
 
 
 def time_train_step(cfg, prog, batch, prog_b=None):
-  """(compiled step, seconds of --reps steps after the warm-up ones, every step's loss): prog's
-  train step on batch (placed as prog's batch shardings), fresh state, its median logged;
+  """(compiled step, median seconds of --reps steps after the warm-up ones, every step's
+  loss): prog's train step on batch (placed as prog's batch shardings), fresh state, the
+  median logged at once;
   with --profile_dir one more step traced, its HLO beside the trace; then each
   --compile_with set's row and, given prog_b (--ab), `time_ab`'s."""
   t = cfg.train
@@ -300,28 +301,30 @@ def time_train_step(cfg, prog, batch, prog_b=None):
       del other
     if prog_b is not None:
       state = time_ab(prog_b, prog, step, state, batch)
-  return step, times, losses
+  return step, median_s, losses
+
+
+def tokens_per_device_s(cfg, step_time: float) -> float:
+  """Tokens a second on each of the step's --devices devices."""
+  return cfg.train.global_batch * cfg.train.seq_len / step_time / _DEVICES.value
 
 
 def mfu_text(cfg, step_time: float) -> str:
   """The step's MFU on this device ("n/a" where its peak is unknown)."""
-  t = cfg.train
-  tokens_per_s = t.global_batch * t.seq_len / step_time / _DEVICES.value  # per device
   peak = flops.peak_flops(jax.devices()[0])
-  fpt = flops.flops_per_token(cfg.model, t.seq_len)["train"]
-  return f"{flops.mfu(tokens_per_s, fpt, peak):.1%}" if peak else "n/a"
+  fpt = flops.flops_per_token(cfg.model, cfg.train.seq_len)["train"]
+  return f"{flops.mfu(tokens_per_device_s(cfg, step_time), fpt, peak):.1%}" if peak else "n/a"
 
 
 def print_tables(cfg, dev, step, step_time, loss, opt_times):
   """The train step's row (time, tokens/s, MFU, memory) and the optimizer steps' shares."""
-  t = cfg.train
   # The allocator's peak over the whole script (the optimizer steps above peak lower).
   peak_gib = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
   temp_gib = step.memory_analysis().temp_size_in_bytes / 2**30
-  tokens_per_s = t.global_batch * t.seq_len / step_time / _DEVICES.value  # per device
   print(f"\n| train step ({cfg.optimizer.name}) | {step_time * 1e3:.1f} ms | "
-        f"{tokens_per_s:,.0f} tok/s per device | MFU {mfu_text(cfg, step_time)} | "
-        f"loss {loss:.3f} | peak {peak_gib:.1f} GiB, temporaries {temp_gib:.1f} GiB | "
+        f"{tokens_per_device_s(cfg, step_time):,.0f} tok/s per device | "
+        f"MFU {mfu_text(cfg, step_time)} | loss {loss:.3f} | "
+        f"peak {peak_gib:.1f} GiB, temporaries {temp_gib:.1f} GiB | "
         f"KDA {cfg.model.kda.backend} |", flush=True)
   print("\n| optimizer step | time | share of the train step |\n|---|---|---|")
   for variant, secs in opt_times.items():
@@ -367,9 +370,9 @@ def main(argv):
   print(f"# mesh {dict(prog.mesh.shape)}, MoE dispatch {cfg.model.moe.dispatch}, "
         f"cast_params_once {t.cast_params_once}", flush=True)
   batch = jax.device_put(batch, prog.batch_shardings)
-  step, times, losses = time_train_step(cfg, prog, batch, prog_b)
+  step, step_time, losses = time_train_step(cfg, prog, batch, prog_b)
   print(f"# losses (the same batch, step after step): {[round(x, 5) for x in losses]}")
-  print_tables(cfg, jax.devices()[0], step, float(np.median(times)), losses[-1], opt_times)
+  print_tables(cfg, jax.devices()[0], step, step_time, losses[-1], opt_times)
 
 
 def main_or_mark_failed(argv):

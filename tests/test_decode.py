@@ -43,8 +43,9 @@ def test_token_by_token_equals_the_forward():
 def test_generate_greedy_equals_argmax_of_the_forward():
   """Greedy generation from two prompts of unequal lengths (3 and 6 tokens) continues each
   with the argmax of the forward's logits over the sequence so far, token after token.
-  (The forward always reads 10 positions, the sequence so far first: the model is causal
-  (`test_causal`), so the padding after it changes none of its logits; one compile.)"""
+  (The forward always reads the longest sequence's positions, the sequence so far first:
+  the model is causal (`test_causal`), so the padding after it changes none of its logits;
+  one compile.)"""
   c = micro_config()
   c.model.moe.dispatch, c.model.kda.backend = "dropless", "naive"
   model = random_model(c.model, model_cls=K3Model)
@@ -52,10 +53,11 @@ def test_generate_greedy_equals_argmax_of_the_forward():
   forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, jnp.ones_like(t))[0])
   prompts = [[5, 9, 2], [7, 1, 30, 4, 4, 11]]
   got = decode.generate(model, prompts, max_new_tokens=4, eos_id=None, key=jax.random.key(0))
+  width = max(map(len, prompts)) + 4
   for prompt, new in zip(prompts, got):
     seq = list(prompt)
     for _ in range(4):
-      padded = jnp.asarray([seq + [0] * (10 - len(seq))])
+      padded = jnp.asarray([seq + [0] * (width - len(seq))])
       seq.append(int(jnp.argmax(forward(state, padded)[0, len(seq) - 1])))
     assert new == seq[len(prompt):]
 

@@ -92,8 +92,9 @@ def test_scan_equals_unrolled_and_remat_keeps_gradients():
   # [KDA, MLA] cycles and the final MLA; the AttnRes boundary after layer 3 falls inside
   # the second cycle, none inside the first.
   small = {"num_layers": 5, "mla_every": 2}
-  graphdef, params, rest = nnx.split(random_model(_scan_config(**small).model), nnx.Param, ...)
-  plan = layer_plan(_scan_config(**small).model)
+  cfg = _scan_config(**small)
+  graphdef, params, rest = nnx.split(random_model(cfg.model), nnx.Param, ...)
+  plan = layer_plan(cfg.model)
   assert (plan.prefix, plan.num_cycles, plan.cycle, plan.suffix) == (0, 2, 2, 1)
   # A well-conditioned point: matrices at a quarter of random_model's scale (as in
   # tests/test_parallel.py; the AttnRes queries stay non-zero), so that fp32 rounding
